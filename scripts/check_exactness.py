@@ -1,0 +1,183 @@
+"""PCP = 1 against PCP = 2 (and more) on 2 x H200: same greedy tokens and logprobs.
+
+Three steps, so that long GPU runs can be split over several commands:
+
+    python scripts/check_exactness.py models --out-dir /tmp/pcp-models --layers 4
+    python scripts/check_exactness.py run --models qwen2.5-3b-shape,smollm2 \
+        --variants unchunked,chunked --configs pcp1,pcp2 --raw $OUT/raw-1.json
+    python scripts/check_exactness.py compare --raw raw-1.json raw-2.json \
+        --git-rev REV --command "..." --out tests/gpu/results/exactness-pcp.json
+
+``models`` builds random-weight models from ``configs/models/*.json``
+(transformers init, seed 0); ``run`` starts one engine per (model, variant,
+config) in its own process (scripts/exactness_worker.py); ``compare`` applies
+the pass rule of exactness_lib.compare_outputs to every case.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from exactness_lib import compare_outputs  # noqa: E402
+
+CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
+           "pcp1-graphs": ["--pcp", "1", "--cuda-graphs"],
+           "pcp2-graphs": ["--pcp", "2", "--cuda-graphs"],
+           "tp2": ["--tp", "2"]}
+BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp2-graphs": "pcp1-graphs"}
+SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
+                 "qwen2.5-coder-0.5b": "/tmp/models/qwen2.5-coder-0.5b"}
+
+
+def build_models(out_dir: str, layers: int, device: str = "cuda") -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name in sorted(os.listdir(os.path.join(ROOT, "configs", "models"))):
+        target = os.path.join(out_dir, name.removesuffix(".json"))
+        if os.path.exists(os.path.join(target, "config.json")):
+            continue
+        path = os.path.join(ROOT, "configs", "models", name)
+        with open(path) as f:
+            fields = json.load(f)
+        fields["num_hidden_layers"] = min(fields["num_hidden_layers"], layers)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(target)
+        print(f"built {target}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params")
+        del model
+
+
+def _model_dir(name: str, models_dir: str) -> str:
+    return SHARED_MODELS.get(name) or os.path.join(models_dir, name)
+
+
+def run(args) -> None:
+    raw = {"versions": _versions(), "runs": []}
+    tmp = f"/tmp/exactness-{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    for model in args.models.split(","):
+        for variant in args.variants.split(","):
+            for config in args.configs.split(","):
+                out = os.path.join(tmp, f"{model}-{variant}-{config}.json")
+                cmd = [sys.executable, os.path.join(HERE, "exactness_worker.py"),
+                       "--model", _model_dir(model, args.models_dir), "--variant", variant,
+                       "--out", out, *CONFIGS[config]]
+                start = time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                entry = {"model": model, "variant": variant, "config": config,
+                         "returncode": proc.returncode,
+                         "seconds": round(time.perf_counter() - start, 1)}
+                if proc.returncode == 0:
+                    with open(out) as f:
+                        entry["results"] = json.load(f)["results"]
+                else:
+                    entry["log_tail"] = (proc.stdout + proc.stderr)[-6000:]
+                print(f"{model} {variant} {config}: rc={proc.returncode} "
+                      f"{entry['seconds']} s", flush=True)
+                raw["runs"].append(entry)
+                with open(args.raw, "w") as f:
+                    json.dump(raw, f)
+                if proc.returncode and args.fail_fast:
+                    print(entry["log_tail"])
+                    return
+
+
+def _versions() -> dict:
+    import torch
+
+    out = {"torch": torch.__version__,
+           "gpu": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"}
+    for mod in ("vllm", "flashinfer"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as exc:  # recorded, not fatal
+            out[mod] = f"unavailable: {exc}"
+    return out
+
+
+def compare(args) -> None:
+    runs, versions = {}, {}
+    for path in args.raw:
+        with open(path) as f:
+            data = json.load(f)
+        versions = data["versions"]
+        for run in data["runs"]:
+            runs[(run["model"], run["variant"], run["config"])] = run
+    cases = []
+    for (model, variant, config), run in sorted(runs.items()):
+        base = runs.get((model, variant, BASELINE.get(config, "")))
+        if base is None:
+            continue
+        label = f"{config} vs {BASELINE[config]}, {variant}"
+        if run["returncode"] or base["returncode"]:
+            cases.append({"model": model, "config": label, "case": "engine",
+                          "prompt_lens": [], "first_divergence": None,
+                          "max_abs_logprob_diff": None, "passed": False,
+                          "error": (run.get("log_tail") or base.get("log_tail"))[-1500:]})
+            continue
+        base_cases = {c["case"]: c for c in base["results"]}
+        for res in run["results"]:
+            ref = base_cases[res["case"]]
+            per_prompt = [compare_outputs(a, b) for a, b in zip(res["outputs"], ref["outputs"])]
+            diverged = [p["first_divergence"] for p in per_prompt
+                        if p["first_divergence"] is not None]
+            cases.append({"model": model, "config": label, "case": res["case"],
+                          "prompt_lens": res["prompt_lens"],
+                          "first_divergence": min(diverged) if diverged else None,
+                          "max_abs_logprob_diff": max(p["max_abs_logprob_diff"]
+                                                      for p in per_prompt),
+                          "passed": all(p["passed"] for p in per_prompt)})
+    meta = {"git_rev": args.git_rev, "command": args.command, "gpu": versions.get("gpu"),
+            "vllm": versions.get("vllm"), "flashinfer": versions.get("flashinfer"),
+            "torch": versions.get("torch"), "date": datetime.date.today().isoformat()}
+    n = len(cases)
+    summary = {"cases": n, "passed": sum(c["passed"] for c in cases),
+               "no_divergence": sum(c["passed"] and c["first_divergence"] is None
+                                    for c in cases)}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "summary": summary, "cases": cases}, f, indent=1)
+    print(json.dumps(summary))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("models")
+    m.add_argument("--out-dir", default="/tmp/pcp-models")
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--device", default="cuda")
+    r = sub.add_parser("run")
+    r.add_argument("--models", required=True)
+    r.add_argument("--models-dir", default="/tmp/pcp-models")
+    r.add_argument("--variants", default="unchunked,chunked")
+    r.add_argument("--configs", default="pcp1,pcp2")
+    r.add_argument("--raw", required=True)
+    r.add_argument("--fail-fast", action="store_true")
+    c = sub.add_parser("compare")
+    c.add_argument("--raw", nargs="+", required=True)
+    c.add_argument("--git-rev", required=True)
+    c.add_argument("--command", required=True)
+    c.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.cmd == "models":
+        build_models(args.out_dir, args.layers, args.device)
+    elif args.cmd == "run":
+        run(args)
+    else:
+        compare(args)
+
+
+if __name__ == "__main__":
+    main()

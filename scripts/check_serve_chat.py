@@ -1,0 +1,111 @@
+"""One OpenAI-API chat completion from ``vllm serve`` at PCP = 1 and PCP = 2.
+
+    python scripts/check_serve_chat.py --model /tmp/models/smollm2-135m \
+        --git-rev REV --out tests/gpu/results/serve-chat-pcp.json
+
+Starts the server once per PCP size, sends the same greedy chat request, and
+a malformed one that must come back as a 4xx while the server keeps serving.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as "
+            "many clips in May. How many clips did Natalia sell altogether in April and "
+            "May? Explain step by step.")
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(2)
+    raise TimeoutError("server did not become healthy")
+
+
+def _ask(port: int, model: str) -> dict:
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTION}],
+        temperature=0.0, max_tokens=64, logprobs=True, top_logprobs=5)
+    choice = chat.choices[0]
+    try:
+        client.chat.completions.create(model=model, max_tokens=-5,
+                                       messages=[{"role": "user", "content": "hi"}])
+        bad_status = 200
+    except BadRequestError as exc:
+        bad_status = exc.status_code
+    again = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTION}],
+        temperature=0.0, max_tokens=64)
+    return {"text": choice.message.content,
+            "token_logprobs": [t.logprob for t in choice.logprobs.content],
+            "prompt_tokens": chat.usage.prompt_tokens,
+            "bad_request_status": bad_status,
+            "text_after_bad_request": again.choices[0].message.content}
+
+
+def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
+    cmd = ["vllm", "serve", model, "--port", str(port), "--enforce-eager",
+           "--prefill-context-parallel-size", str(pcp), "--max-model-len", "4096",
+           "--gpu-memory-utilization", "0.5", "--seed", "0"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        _wait_healthy(port, proc)
+        return {"pcp": pcp, "command": " ".join(cmd), **_ask(port, model)}
+    except Exception as exc:
+        with open(log_path) as f:
+            return {"pcp": pcp, "command": " ".join(cmd), "error": repr(exc),
+                    "log_tail": f.read()[-4000:]}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--git-rev", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--log-dir", default="/tmp")
+    args = ap.parse_args()
+    runs = [serve_and_ask(args.model, pcp, 8100 + pcp,
+                          os.path.join(args.log_dir, f"serve-pcp{pcp}.log"))
+            for pcp in (1, 2)]
+    ok = all("error" not in r for r in runs)
+    diffs = [abs(a - b) for a, b in zip(runs[0].get("token_logprobs", []),
+                                        runs[1].get("token_logprobs", []))]
+    result = {
+        "meta": {"git_rev": args.git_rev, "command": " ".join(sys.argv),
+                 "date": datetime.date.today().isoformat()},
+        "runs": runs,
+        "same_text": ok and runs[0]["text"] == runs[1]["text"],
+        "max_abs_logprob_diff": max(diffs, default=None),
+        "bad_request_is_4xx": ok and all(400 <= r["bad_request_status"] < 500 for r in runs),
+        "serves_after_bad_request": ok and all(r["text_after_bad_request"] == r["text"]
+                                               for r in runs),
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Run the exactness cases on one engine configuration and write raw outputs.
+
+Usage (one process per engine; the orchestrator is check_exactness.py):
+    python scripts/exactness_worker.py --model DIR --pcp 2 --variant chunked --out F.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from exactness_lib import MAX_TOKENS, build_cases  # noqa: E402
+
+VARIANTS = {"unchunked": None, "chunked": 2048}
+
+
+def _record(completion) -> dict:
+    return {"token_ids": list(completion.token_ids),
+            "logprobs": [{str(t): float(lp.logprob) for t, lp in pos.items()}
+                         for pos in completion.logprobs]}
+
+
+def _run_arrival(llm, prompts, params) -> list[dict]:
+    """A long prompt arrives while a short request is decoding."""
+    engine = llm.llm_engine
+    ids = [engine.add_request("short", {"prompt_token_ids": prompts[0]}, params)]
+    done = {}
+    for _ in range(4):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    ids.append(engine.add_request("long", {"prompt_token_ids": prompts[1]}, params))
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [_record(done[i].outputs[0]) for i in ids]
+
+
+def run_cases(llm, cases) -> list[dict]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5,
+                            ignore_eos=True)
+    results = []
+    for case in cases:
+        start = time.perf_counter()
+        prompts = [{"prompt_token_ids": p} for p in case["prompts"]]
+        if case["kind"] == "batch":
+            outs = [_record(o.outputs[0]) for o in llm.generate(prompts, params, use_tqdm=False)]
+        elif case["kind"] == "prefix":
+            outs = [_record(llm.generate([p], params, use_tqdm=False)[0].outputs[0])
+                    for p in prompts]
+        else:
+            outs = _run_arrival(llm, case["prompts"], params)
+        results.append({"case": case["case"], "prompt_lens": [len(p) for p in case["prompts"]],
+                        "outputs": outs, "seconds": round(time.perf_counter() - start, 3)})
+        print(f"case {case['case']}: {results[-1]['seconds']} s", flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--pcp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="unchunked")
+    ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from vllm import LLM
+
+    with open(os.path.join(args.model, "config.json")) as f:
+        hf = json.load(f)
+    max_model_len = min(hf["max_position_embeddings"], 32768 + 2 * MAX_TOKENS)
+    has_tokenizer = os.path.exists(os.path.join(args.model, "tokenizer.json"))
+    llm = LLM(model=args.model, skip_tokenizer_init=not has_tokenizer, dtype="bfloat16",
+              prefill_context_parallel_size=args.pcp, tensor_parallel_size=args.tp,
+              enforce_eager=not args.cuda_graphs, max_model_len=max_model_len,
+              max_num_batched_tokens=VARIANTS[args.variant] or max_model_len,
+              max_num_seqs=16, gpu_memory_utilization=0.85, seed=0,
+              enable_prefix_caching=True)
+    cases = build_cases(max_model_len - MAX_TOKENS - 8, hf["vocab_size"])
+    results = run_cases(llm, cases)
+    with open(args.out, "w") as f:
+        json.dump({"model": args.model, "pcp": args.pcp, "tp": args.tp,
+                   "variant": args.variant, "cuda_graphs": args.cuda_graphs,
+                   "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()

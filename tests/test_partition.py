@@ -1,0 +1,159 @@
+"""Property tests of the DualChunkSwap partition against brute-force checks."""
+import numpy as np
+import pytest
+import torch
+
+from vllm_pcp.partition import build_pcp_metadata
+
+
+def _random_batch(rng, max_len=5000, max_reqs=6):
+    num_reqs = int(rng.integers(1, max_reqs + 1))
+    computed, scheduled = [], []
+    for _ in range(num_reqs):
+        kind = rng.integers(0, 4)
+        if kind == 0:  # decode
+            computed.append(int(rng.integers(1, max_len)))
+            scheduled.append(1)
+        elif kind == 1:  # chunked-prefill continuation / prefix-cache hit
+            computed.append(int(rng.integers(1, max_len)))
+            scheduled.append(int(rng.integers(1, max_len)))
+        else:  # fresh prompt
+            computed.append(0)
+            scheduled.append(int(rng.integers(1, max_len)))
+    return computed, scheduled
+
+
+def _all_ranks(computed, scheduled, world, **kw):
+    return [build_pcp_metadata(computed, scheduled, world, r, **kw) for r in range(world)]
+
+
+def _global_positions(computed, scheduled):
+    return np.concatenate([c + np.arange(s) for c, s in zip(computed, scheduled)])
+
+
+BATCHES = [(seed, world) for seed in range(40) for world in (2, 3, 4, 8)]
+
+
+@pytest.mark.parametrize("seed,world", BATCHES)
+def test_every_token_owned_once_and_restored(seed, world):
+    rng = np.random.default_rng(seed)
+    computed, scheduled = _random_batch(rng)
+    metas = _all_ranks(computed, scheduled, world)
+    num_tokens = sum(scheduled)
+    padded = metas[0].num_padded_tokens_per_rank
+    for m in metas:  # every collective size is the same on every rank
+        assert m.num_padded_tokens_per_rank == padded == max(m.num_tokens_per_rank)
+        assert m.num_tokens_per_rank == metas[0].num_tokens_per_rank
+        assert torch.equal(m.restore_indices, metas[0].restore_indices)
+        assert torch.equal(m.gathered_token_indices, metas[0].gathered_token_indices)
+        assert m.num_local_tokens == len(m.local_token_indices)
+    # Owned exactly once: each token is kept in exactly one gathered row.
+    kept = metas[0].gathered_token_indices
+    kept = kept[kept >= 0]
+    assert torch.equal(torch.sort(kept).values, torch.arange(num_tokens))
+    # Gather then restore is the identity on token values.
+    values = torch.arange(num_tokens) * 10 + 7
+    gathered = torch.full((world * padded,), -1, dtype=torch.long)
+    for r, m in enumerate(metas):
+        gathered[r * padded: r * padded + m.num_local_tokens] = values[m.local_token_indices]
+    assert torch.equal(gathered[metas[0].restore_indices], values)
+    keep = metas[0].gathered_token_indices >= 0
+    assert torch.equal(gathered[keep], values[metas[0].gathered_token_indices[keep]])
+
+
+@pytest.mark.parametrize("seed,world", BATCHES)
+def test_rows_have_absolute_positions_and_causal_lengths(seed, world):
+    rng = np.random.default_rng(1000 + seed)
+    computed, scheduled = _random_batch(rng)
+    positions = _global_positions(computed, scheduled)
+    req_of_token = np.repeat(np.arange(len(scheduled)), scheduled)
+    for m in _all_ranks(computed, scheduled, world):
+        qsl = m.query_start_loc.numpy()
+        local = m.local_token_indices.numpy()
+        q_lens = np.diff(qsl)
+        assert (q_lens > 0).all()
+        assert (np.diff((q_lens > 1).astype(int)) >= 0).all()  # short rows first
+        assert m.num_decode_rows == int((q_lens <= 1).sum())
+        for row in range(m.num_rows):
+            toks = local[qsl[row]: qsl[row + 1]]
+            req = int(m.row_req_indices[row])
+            assert (req_of_token[toks] == req).all()
+            # The row's query tokens are the last q_len tokens of its KV span.
+            expect = int(m.seq_lens[row]) - q_lens[row] + np.arange(q_lens[row])
+            assert np.array_equal(positions[toks], expect)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("seed", range(10))
+def test_attention_work_is_balanced(world, seed):
+    rng = np.random.default_rng(2000 + seed)
+    num_reqs = int(rng.integers(1, 4))
+    scheduled = [int(rng.integers(64 * world, 5000 + 64 * world)) for _ in range(num_reqs)]
+    computed = [int(rng.choice([0, rng.integers(1, 3000)])) for _ in range(num_reqs)]
+    work = []
+    for m in _all_ranks(computed, scheduled, world):
+        q_lens = (m.query_start_loc[1:] - m.query_start_loc[:-1]).long()
+        kv_end = m.seq_lens.long()
+        # sum over query tokens of their causal KV length
+        work.append(int((q_lens * kv_end - q_lens * (q_lens - 1) // 2).sum()))
+    work = np.array(work, dtype=float)
+    assert (work.max() - work.min()) / work.mean() <= 0.10, work
+
+
+def test_dual_chunk_swap_layout():
+    # 16 tokens, N = 2: chunks of 4; rank 0 owns c0 and c3, rank 1 owns c1 and c2.
+    m0, m1 = _all_ranks([0], [16], 2)
+    assert m0.local_token_indices.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert m1.local_token_indices.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert m0.seq_lens.tolist() == [4, 16] and m1.seq_lens.tolist() == [8, 12]
+    assert m0.num_padded_tokens_per_rank == 8
+    assert m0.restore_indices.tolist() == [0, 1, 2, 3, 8, 9, 10, 11,
+                                           12, 13, 14, 15, 4, 5, 6, 7]
+
+
+def test_short_prompt_gives_one_token_chunks_and_empty_ranks():
+    # 3 tokens over N = 4 -> 8 chunks, most of them empty.
+    metas = _all_ranks([0], [3], 4)
+    counts = [m.num_local_tokens for m in metas]
+    # chunk bounds floor(k * 3 / 8): tokens sit in chunks 2, 5 and 7.
+    assert counts == [1, 0, 2, 0]
+    assert metas[0].num_padded_tokens_per_rank == 2
+    empty = metas[counts.index(0)]
+    assert empty.num_rows == 0 and empty.query_start_loc.tolist() == [0]
+    assert empty.max_query_len == 0
+
+
+def test_decodes_and_short_prefills_are_replicated():
+    computed, scheduled = [40, 7, 0], [1, 1, 5]
+    metas = _all_ranks(computed, scheduled, 2, min_split_tokens=6)
+    for m in metas:
+        assert not m.is_split
+        assert m.local_token_indices.tolist() == list(range(7))
+        assert m.num_decode_rows == 2 and m.num_decode_tokens == 2
+    # Rank 0's copy is the kept one.
+    assert metas[0].restore_indices.tolist() == list(range(7))
+    assert (metas[0].gathered_token_indices[7:] == -1).all()
+
+
+def test_chunked_continuation_keeps_kv_offsets():
+    m0, m1 = _all_ranks([100], [8], 2)
+    assert m0.seq_lens.tolist() == [102, 108]
+    assert m1.seq_lens.tolist() == [104, 106]
+
+
+def test_mixed_batch_puts_short_rows_first():
+    # A decode, then a 5-token prompt over N = 2 (chunks 1, 1, 1, 2).
+    m0 = build_pcp_metadata([9, 0], [1, 5], 2, 0)
+    q_lens = (m0.query_start_loc[1:] - m0.query_start_loc[:-1]).tolist()
+    assert q_lens == [1, 1, 2]
+    assert m0.row_req_indices.tolist() == [0, 1, 1]
+    assert m0.num_decode_rows == 2
+
+
+def test_rejects_bad_input():
+    with pytest.raises(ValueError):
+        build_pcp_metadata([0], [4], 2, 2)
+    with pytest.raises(ValueError):
+        build_pcp_metadata([0, 1], [4], 2, 0)
+    with pytest.raises(ValueError):
+        build_pcp_metadata([0], [-1], 2, 0)

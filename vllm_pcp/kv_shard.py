@@ -1,0 +1,43 @@
+"""Which decode-context-parallel (DCP) rank stores which KV token.
+
+vLLM's interleaved layout: with DCP size D and interleave size I, token t of a
+request belongs to rank ``(t // I) % D`` and sits at local offset
+``(t // (I * D)) * I + t % I`` of that rank's shard::
+
+    D = 2, I = 2     token  0 1 2 3 4 5 6 7 8
+                     rank   0 0 1 1 0 0 1 1 0
+                     local  0 1 0 1 2 3 2 3 4
+
+Pure integer arithmetic on tensors or ints; no process group.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _check(dcp_world_size: int, interleave: int) -> None:
+    if dcp_world_size < 1 or interleave < 1:
+        raise ValueError(f"need dcp_world_size >= 1 and interleave >= 1, "
+                         f"got {dcp_world_size} and {interleave}")
+
+
+def dcp_owner(positions: torch.Tensor, dcp_world_size: int, interleave: int) -> torch.Tensor:
+    """DCP rank that stores each token position (same shape as ``positions``)."""
+    _check(dcp_world_size, interleave)
+    return (positions // interleave) % dcp_world_size
+
+
+def dcp_local_offset(positions: torch.Tensor, dcp_world_size: int,
+                     interleave: int) -> torch.Tensor:
+    """Offset of each token inside its owner's local KV shard."""
+    _check(dcp_world_size, interleave)
+    return (positions // (interleave * dcp_world_size)) * interleave + positions % interleave
+
+
+def dcp_local_seq_len(seq_lens: torch.Tensor, dcp_rank: int, dcp_world_size: int,
+                      interleave: int) -> torch.Tensor:
+    """Number of a request's first ``seq_lens`` tokens that ``dcp_rank`` stores."""
+    _check(dcp_world_size, interleave)
+    span = interleave * dcp_world_size
+    rest = (seq_lens % span - dcp_rank * interleave).clamp(min=0, max=interleave)
+    return (seq_lens // span) * interleave + rest

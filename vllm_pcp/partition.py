@@ -1,0 +1,242 @@
+"""Split one step's scheduled tokens across prefill-context-parallel ranks.
+
+Pure functions of plain integers: no process group, no GPU. Every rank calls
+:func:`build_pcp_metadata` with the same scheduler output and gets the same
+plan; only ``pcp_rank`` selects which part of it is local.
+
+DualChunkSwap. A split prefill of S scheduled tokens is cut into 2N chunks
+(sizes differ by at most one token); rank r owns chunk r (the head) and chunk
+2N-1-r (the tail), so each rank gets one cheap and one expensive slice of the
+causal triangle::
+
+    N = 2, one prompt         | c0 | c1 | c2 | c3 |      causal work
+    rank 0  (head c0, tail c3)  ##             ####    1 + 4 = 5
+    rank 1  (head c1, tail c2)       ###  ###          2 + 3 = 5
+
+Rows that are not split -- decodes, and prefills shorter than
+``min_split_tokens`` -- are replicated: every rank computes them and rank 0's
+copy is the one that is kept (restored for sampling, written to the KV cache).
+
+Each local chunk is a *row* of its own: it attends to the first
+``seq_lens[row]`` tokens of its request, of which its own ``q_len`` tokens are
+the last ones. FlashInfer's bottom-right causal mask makes that exact with no
+custom mask. Rows whose query is at most ``decode_threshold`` tokens long come
+first, as vLLM's FlashInfer metadata builder expects.
+
+Gathered layout. Every collective of a PCP step moves
+``num_padded_tokens_per_rank`` rows per rank -- the largest local token count,
+computed from the scheduler output alone and hence equal on every rank::
+
+    gathered buffer  [rank 0 tokens | pad][rank 1 tokens | pad] ...
+    gathered_token_indices[j]  global token whose K/V sits in row j (-1: skip)
+    restore_indices[t]         row of the gathered buffer holding token t
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillContextParallelMetadata:
+    """One step's PCP plan, seen from ``pcp_rank``; identical inputs on all ranks.
+
+    Global tokens are numbered in scheduler order: request by request, each
+    request's scheduled tokens in position order. ``T`` is their count, ``L``
+    this rank's local token count, ``R`` its row count, ``P`` the padded
+    per-rank size and ``N`` the PCP world size.
+
+    Attributes
+    ----------
+    num_tokens_per_rank : tuple[int, ...]
+        Local token count of every rank, length ``N``.
+    num_padded_tokens_per_rank : int
+        ``P = max(num_tokens_per_rank)``: rows per rank of every all-gather.
+        A function of the scheduler output only, hence rank-invariant.
+    local_token_indices : torch.Tensor
+        ``[L]`` int64, global index of each local token.
+    restore_indices : torch.Tensor
+        ``[T]`` int64, row of the gathered ``[N * P]`` buffer that holds
+        global token t (the owner's copy; rank 0's for replicated rows).
+    gathered_token_indices : torch.Tensor
+        ``[N * P]`` int64, global token held by each gathered row, or -1 for
+        padding and for the non-kept copies of replicated tokens.
+    query_start_loc : torch.Tensor
+        ``[R + 1]`` int32, cumulative local query lengths.
+    seq_lens : torch.Tensor
+        ``[R]`` int32, KV length each row attends to (its request's
+        computed tokens plus the scheduled tokens up to the row's end).
+    row_req_indices : torch.Tensor
+        ``[R]`` int32, batch index of each row's request (its block table).
+    num_decode_rows, num_decode_tokens : int
+        The leading rows whose query is at most ``decode_threshold`` long.
+    """
+
+    pcp_world_size: int
+    pcp_rank: int
+    num_tokens: int
+    num_tokens_per_rank: tuple[int, ...]
+    num_padded_tokens_per_rank: int
+    num_split_requests: int
+    local_token_indices: torch.Tensor
+    restore_indices: torch.Tensor
+    gathered_token_indices: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    row_req_indices: torch.Tensor
+    num_decode_rows: int
+    num_decode_tokens: int
+
+    @property
+    def num_local_tokens(self) -> int:
+        return self.num_tokens_per_rank[self.pcp_rank]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.seq_lens.numel())
+
+    @property
+    def max_query_len(self) -> int:
+        return int((self.query_start_loc[1:] - self.query_start_loc[:-1]).max().item()) \
+            if self.num_rows else 0
+
+    @property
+    def is_split(self) -> bool:
+        """False when no request is split: every rank then runs the whole
+        step on its own and no collective is needed."""
+        return self.num_split_requests > 0
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The rows of one rank, in local order (numpy int64 arrays of one length)."""
+
+    req: np.ndarray
+    token_start: np.ndarray  # global index of the row's first token
+    q_len: np.ndarray
+    seq_len: np.ndarray
+
+
+def _expand_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenate ``arange(s, s + n)`` for every (s, n) pair."""
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(starts - (np.cumsum(lens) - lens), lens)
+    return offsets + np.arange(total, dtype=np.int64)
+
+
+def _plan_rank_rows(
+    computed: np.ndarray,
+    scheduled: np.ndarray,
+    token_start: np.ndarray,
+    split: np.ndarray,
+    pcp_world_size: int,
+    pcp_rank: int,
+    decode_threshold: int,
+) -> _Rows:
+    """Rows of one rank: replicated rows, then its head and tail chunks."""
+    num_chunks = 2 * pcp_world_size
+    reqs, subs, starts, q_lens, seq_lens = [], [], [], [], []
+    rep = np.flatnonzero(~split)
+    reqs.append(rep)
+    subs.append(np.zeros_like(rep))
+    starts.append(token_start[rep])
+    q_lens.append(scheduled[rep])
+    seq_lens.append(computed[rep] + scheduled[rep])
+    spl = np.flatnonzero(split)
+    for sub, chunk in enumerate((pcp_rank, num_chunks - 1 - pcp_rank)):
+        lo = scheduled[spl] * chunk // num_chunks
+        hi = scheduled[spl] * (chunk + 1) // num_chunks
+        reqs.append(spl)
+        subs.append(np.full_like(spl, sub))
+        starts.append(token_start[spl] + lo)
+        q_lens.append(hi - lo)
+        seq_lens.append(computed[spl] + hi)
+    req, sub = np.concatenate(reqs), np.concatenate(subs)
+    start, q_len, seq_len = (np.concatenate(a) for a in (starts, q_lens, seq_lens))
+    keep = q_len > 0
+    req, sub, start, q_len, seq_len = (a[keep] for a in (req, sub, start, q_len, seq_len))
+    # Short rows first (vLLM's decode-first layout), then request order.
+    order = np.lexsort((sub, req, q_len > decode_threshold))
+    return _Rows(req[order], start[order], q_len[order], seq_len[order])
+
+
+def build_pcp_metadata(
+    num_computed_tokens: Sequence[int],
+    num_scheduled_tokens: Sequence[int],
+    pcp_world_size: int,
+    pcp_rank: int,
+    *,
+    min_split_tokens: int = 2,
+    decode_threshold: int = 1,
+) -> PrefillContextParallelMetadata:
+    """Plan one step for ``pcp_rank``.
+
+    Parameters
+    ----------
+    num_computed_tokens, num_scheduled_tokens : sequence of int
+        Per request of the batch, in batch order: tokens whose KV is already
+        cached, and tokens scheduled in this step.
+    pcp_world_size, pcp_rank : int
+        ``N`` and this rank's index in the PCP group.
+    min_split_tokens : int
+        Requests with fewer scheduled tokens are replicated, not split.
+        Values below 2 act as 2 (a single token cannot be split).
+    decode_threshold : int
+        Rows with at most this many query tokens are ordered first.
+    """
+    if not 0 <= pcp_rank < pcp_world_size:
+        raise ValueError(f"pcp_rank {pcp_rank} outside [0, {pcp_world_size})")
+    computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
+    scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
+    if computed.shape != scheduled.shape or (scheduled < 0).any() or (computed < 0).any():
+        raise ValueError("need one non-negative computed and scheduled count per request")
+    token_start = np.cumsum(scheduled) - scheduled
+    split = scheduled >= max(2, min_split_tokens)
+    rows = [
+        _plan_rank_rows(computed, scheduled, token_start, split, pcp_world_size, r,
+                        decode_threshold)
+        for r in range(pcp_world_size)
+    ]
+    local_tokens = [_expand_ranges(rw.token_start, rw.q_len) for rw in rows]
+    counts = tuple(len(t) for t in local_tokens)
+    padded = max(counts) if counts else 0
+    restore, gathered = _gathered_layout(local_tokens, np.repeat(~split, scheduled), padded)
+    mine = rows[pcp_rank]
+    num_decode_rows = int((mine.q_len <= decode_threshold).sum())
+    return PrefillContextParallelMetadata(
+        pcp_world_size=pcp_world_size,
+        pcp_rank=pcp_rank,
+        num_tokens=int(scheduled.sum()),
+        num_tokens_per_rank=counts,
+        num_padded_tokens_per_rank=padded,
+        num_split_requests=int(split.sum()),
+        local_token_indices=torch.from_numpy(local_tokens[pcp_rank]),
+        restore_indices=torch.from_numpy(restore),
+        gathered_token_indices=torch.from_numpy(gathered),
+        query_start_loc=torch.from_numpy(
+            np.concatenate([[0], np.cumsum(mine.q_len)]).astype(np.int32)),
+        seq_lens=torch.from_numpy(mine.seq_len.astype(np.int32)),
+        row_req_indices=torch.from_numpy(mine.req.astype(np.int32)),
+        num_decode_rows=num_decode_rows,
+        num_decode_tokens=int(mine.q_len[:num_decode_rows].sum()),
+    )
+
+
+def _gathered_layout(
+    local_tokens: list[np.ndarray], replicated: np.ndarray, padded: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Restore indices ``[T]`` and gathered token indices ``[N * P]``."""
+    num_tokens = len(replicated)
+    restore = np.full(num_tokens, -1, dtype=np.int64)
+    gathered = np.full(len(local_tokens) * padded, -1, dtype=np.int64)
+    for rank, tokens in enumerate(local_tokens):
+        rows = rank * padded + np.arange(len(tokens), dtype=np.int64)
+        kept = np.ones(len(tokens), dtype=bool) if rank == 0 else ~replicated[tokens]
+        restore[tokens[kept]] = rows[kept]
+        gathered[rows[kept]] = tokens[kept]
+    return restore, gathered

@@ -1,0 +1,157 @@
+"""V1 model runner with prefill context parallelism for GQA models.
+
+Why V1: vLLM 0.26.0 sends every non-MLA PCP config to the V1
+``GPUModelRunner`` (Model Runner V2's PCP manager is MLA-only), and V1 exposes
+the two seams needed here, ``_build_attention_metadata`` and
+``_model_forward``, so the subclass adds PCP without touching the rest of
+the step (scheduling state, sampling, async output, logprobs).
+
+One step::
+
+    execute_model (stock)
+      _prepare_inputs     stock global ids, positions, slot mapping; then
+                          partition.build_pcp_metadata -> self._pcp_plan
+      _build_attention_metadata
+                          split step: local rows -> CommonAttentionMetadata ->
+                          FlashInfer builder (one plan per step); the gathered
+                          slot mapping and the KV exchange travel with it
+      _model_forward      model on the local tokens only; every attention layer
+                          all-gathers K/V before its cache write; the hidden
+                          states are all-gathered and restored to global order
+      sample (stock)      identical logits on every rank
+
+Steps without a split request (decodes, short prefills) run stock on every
+rank. Split steps run without CUDA graphs: the local token count is not a
+captured size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.config import CUDAGraphMode
+from vllm.distributed.parallel_state import get_pcp_group
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_pcp.backend import PCPFlashInferMetadataBuilder, PCPKVExchange
+from vllm_pcp.config import PCPKnobs
+from vllm_pcp.exchange import gathered_slot_mapping, restore_hidden_states
+from vllm_pcp.partition import PrefillContextParallelMetadata, build_pcp_metadata
+
+logger = init_logger("vllm.vllm_pcp.runner")
+
+
+@dataclass
+class _PCPStep:
+    """Device-side view of one split step, consumed by ``_model_forward``."""
+
+    local_token_indices: torch.Tensor  # [L] int64
+    restore_indices: torch.Tensor  # [T] int64
+    num_padded_tokens_per_rank: int
+    slot_mapping_by_layer: dict[str, torch.Tensor]  # gathered layout, [N * P]
+
+
+class PCPModelRunner(GPUModelRunner):
+    def __init__(self, vllm_config, device: torch.device):
+        super().__init__(vllm_config, device)
+        self.pcp_group = get_pcp_group()
+        self.pcp_world_size = self.pcp_group.world_size
+        self.pcp_rank = self.pcp_group.rank_in_group
+        knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
+        # Never split below 2N tokens: every rank then gets local tokens.
+        self.pcp_min_split_tokens = max(knobs.min_split_tokens, 2 * self.pcp_world_size)
+        self._pcp_plan: PrefillContextParallelMetadata | None = None
+        self._pcp_step: _PCPStep | None = None
+        logger.info("PCP model runner: rank %d of %d, prefills of >= %d tokens are split",
+                    self.pcp_rank, self.pcp_world_size, self.pcp_min_split_tokens)
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        num_reqs = self.input_batch.num_reqs
+        self._pcp_plan = build_pcp_metadata(
+            self.input_batch.num_computed_tokens_cpu[:num_reqs],
+            num_scheduled_tokens[:num_reqs],
+            self.pcp_world_size,
+            self.pcp_rank,
+            min_split_tokens=self.pcp_min_split_tokens,
+            decode_threshold=self.reorder_batch_threshold or 1,
+        )
+        return result
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        plan, self._pcp_plan = self._pcp_plan, None
+        self._pcp_step = None
+        if (plan is None or not plan.is_split or kwargs.get("for_cudagraph_capture")
+                or kwargs.get("ubatch_slices") is not None):
+            return super()._build_attention_metadata(*args, **kwargs)
+        return self._build_split_attention_metadata(plan, kwargs["slot_mappings"]), None
+
+    def _build_split_attention_metadata(self, plan: PrefillContextParallelMetadata,
+                                        slot_mappings: dict[int, torch.Tensor]) -> dict:
+        """Per-layer metadata of the local rows, and the step's ``_PCPStep``."""
+        dev = self.device
+        local = plan.local_token_indices.to(dev, non_blocking=True)
+        gathered = plan.gathered_token_indices.to(dev, non_blocking=True)
+        row_req = plan.row_req_indices.to(dev, dtype=torch.int64, non_blocking=True)
+        q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
+        exchange = PCPKVExchange(self.pcp_group, plan.num_padded_tokens_per_rank)
+        base = dict(
+            query_start_loc=plan.query_start_loc.to(dev, non_blocking=True),
+            query_start_loc_cpu=plan.query_start_loc,
+            seq_lens=plan.seq_lens.to(dev, non_blocking=True),
+            _seq_lens_cpu=plan.seq_lens,
+            _num_computed_tokens_cpu=plan.seq_lens - q_lens,
+            seq_lens_cpu_upper_bound=plan.seq_lens,
+            num_reqs=plan.num_rows,
+            num_actual_tokens=plan.num_local_tokens,
+            max_query_len=plan.max_query_len,
+            max_seq_len=int(plan.seq_lens.max()),
+            causal=True,
+            positions=self.positions.index_select(0, local),
+        )
+        attn_metadata, slot_by_layer = {}, {}
+        num_reqs = self.input_batch.num_reqs
+        for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
+            table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
+            slots = slot_mappings[gid]
+            cm = CommonAttentionMetadata(
+                block_table_tensor=table.index_select(0, row_req),
+                slot_mapping=slots.index_select(0, local), **base)
+            cm.pcp_exchange = exchange
+            slots_gathered = gathered_slot_mapping(slots, gathered)
+            for attn_group in self.attn_groups[gid]:
+                builder = attn_group.get_metadata_builder(0)
+                if not isinstance(builder, PCPFlashInferMetadataBuilder):
+                    raise RuntimeError(
+                        f"PCP needs the FLASHINFER attention backend, layer group "
+                        f"{attn_group.layer_names[:1]} uses {type(builder).__name__}")
+                metadata = builder.build(common_prefix_len=0, common_attn_metadata=cm)
+                for name in attn_group.layer_names:
+                    attn_metadata[name] = metadata
+                    slot_by_layer[name] = slots_gathered
+        self._pcp_step = _PCPStep(local, plan.restore_indices.to(dev, non_blocking=True),
+                                  plan.num_padded_tokens_per_rank, slot_by_layer)
+        return attn_metadata
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                       inputs_embeds=None, **model_kwargs):
+        step, self._pcp_step = self._pcp_step, None
+        if step is None:
+            return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                          inputs_embeds, **model_kwargs)
+        if inputs_embeds is not None or intermediate_tensors is not None:
+            raise RuntimeError("PCP runs token-id inputs on a single pipeline stage")
+        ctx = get_forward_context()
+        ctx.slot_mapping = step.slot_mapping_by_layer
+        ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
+        ctx.batch_descriptor = None
+        ctx.is_padding = None
+        local = step.local_token_indices
+        hidden = super()._model_forward(input_ids.index_select(0, local),
+                                        positions.index_select(-1, local),
+                                        None, None, **model_kwargs)
+        return restore_hidden_states(self.pcp_group, hidden, step.num_padded_tokens_per_rank,
+                                     step.restore_indices, num_output_rows=input_ids.shape[0])

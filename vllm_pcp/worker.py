@@ -1,0 +1,28 @@
+"""The GPU worker with the PCP model runner in place of vLLM's V1 runner."""
+from __future__ import annotations
+
+import gc
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.worker.gpu_worker import Worker
+
+logger = init_logger("vllm.vllm_pcp.worker")
+
+
+class PCPWorker(Worker):
+    """Selected by :func:`vllm_pcp.config.prepare_pcp_config` for PCP > 1."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        if self.use_v2_model_runner:
+            raise RuntimeError("vllm-pcp runs on the V1 model runner: unset "
+                               "VLLM_USE_V2_MODEL_RUNNER")
+        from vllm_pcp.runner import PCPModelRunner
+
+        # The stock runner built by init_device holds only input buffers;
+        # replace it before any weights or KV cache exist.
+        self.model_runner = None
+        gc.collect()
+        torch.accelerator.empty_cache()
+        self.model_runner = PCPModelRunner(self.vllm_config, self.device)
