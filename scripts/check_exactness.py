@@ -141,6 +141,8 @@ def compare(args) -> None:
     meta = {"git_rev": args.git_rev, "command": args.command, "gpu": versions.get("gpu"),
             "vllm": versions.get("vllm"), "flashinfer": versions.get("flashinfer"),
             "torch": versions.get("torch"), "date": datetime.date.today().isoformat()}
+    if args.note:
+        meta["note"] = args.note
     n = len(cases)
     summary = {"cases": n, "passed": sum(c["passed"] for c in cases),
                "no_divergence": sum(c["passed"] and c["first_divergence"] is None
@@ -170,6 +172,7 @@ def main() -> None:
     c.add_argument("--git-rev", required=True)
     c.add_argument("--command", required=True)
     c.add_argument("--out", required=True)
+    c.add_argument("--note", default="", help="stored as meta.note")
     args = ap.parse_args()
     if args.cmd == "models":
         build_models(args.out_dir, args.layers, args.device)

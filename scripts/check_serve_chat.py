@@ -61,9 +61,12 @@ def _ask(port: int, model: str) -> dict:
 
 
 def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
-    cmd = ["vllm", "serve", model, "--port", str(port), "--enforce-eager",
+    cmd = [sys.executable, "-c", "from vllm.entrypoints.cli.main import main; main()",
+           "serve", model, "--port", str(port), "--enforce-eager",
            "--prefill-context-parallel-size", str(pcp), "--max-model-len", "4096",
-           "--gpu-memory-utilization", "0.5", "--seed", "0"]
+           "--gpu-memory-utilization", "0.5", "--seed", "0",
+           # the same kernel at both sizes: vLLM would pick FLASH_ATTN for PCP = 1
+           "--attention-backend", "FLASHINFER"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

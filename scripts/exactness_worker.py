@@ -26,14 +26,14 @@ def _record(completion) -> dict:
 def _run_arrival(llm, prompts, params) -> list[dict]:
     """A long prompt arrives while a short request is decoding."""
     engine = llm.llm_engine
-    ids = [engine.add_request("short", {"prompt_token_ids": prompts[0]}, params)]
+    engine.add_request("short", {"prompt_token_ids": prompts[0]}, params)
     done = {}
     for _ in range(4):
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    ids.append(engine.add_request("long", {"prompt_token_ids": prompts[1]}, params))
+    engine.add_request("long", {"prompt_token_ids": prompts[1]}, params)
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    return [_record(done[i].outputs[0]) for i in ids]
+    return [_record(done[name].outputs[0]) for name in ("short", "long")]
 
 
 def run_cases(llm, cases) -> list[dict]:
@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="unchunked")
     ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--attention-backend", default="FLASHINFER",
+                    help="the same kernel on both sides of a comparison; PCP runs on "
+                         "FLASHINFER, while vLLM picks FLASH_ATTN for PCP = 1 on Hopper")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -79,12 +82,13 @@ def main() -> None:
               enforce_eager=not args.cuda_graphs, max_model_len=max_model_len,
               max_num_batched_tokens=VARIANTS[args.variant] or max_model_len,
               max_num_seqs=16, gpu_memory_utilization=0.85, seed=0,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, attention_backend=args.attention_backend)
     cases = build_cases(max_model_len - MAX_TOKENS - 8, hf["vocab_size"])
     results = run_cases(llm, cases)
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "pcp": args.pcp, "tp": args.tp,
                    "variant": args.variant, "cuda_graphs": args.cuda_graphs,
+                   "attention_backend": args.attention_backend,
                    "results": results}, f)
 
 
