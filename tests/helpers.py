@@ -1,0 +1,53 @@
+"""Test helpers: a thread-backed process group for N ranks in one process."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class ThreadGroup:
+    """``world_size`` ranks as threads; ``rank(r)`` is rank r's GroupCoordinator stand-in."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._barrier = threading.Barrier(world_size)
+        self._slots = [None] * world_size
+
+    def rank(self, rank: int) -> "_RankView":
+        return _RankView(self, rank)
+
+    def run(self, fn):
+        """Run ``fn(rank)`` on every rank in its own thread; return the results."""
+        results, errors = [None] * self.world_size, []
+
+        def target(r):
+            try:
+                results[r] = fn(r)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        if errors:
+            raise errors[0]
+        return results
+
+
+class _RankView:
+    def __init__(self, group: ThreadGroup, rank: int):
+        self._group = group
+        self.world_size = group.world_size
+        self.rank_in_group = rank
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        g = self._group
+        g._slots[self.rank_in_group] = x
+        g._barrier.wait()
+        out = torch.cat(list(g._slots), dim=dim)
+        g._barrier.wait()
+        return out

@@ -1,0 +1,76 @@
+"""Start-up refusals and knobs of vllm_pcp.config."""
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_pcp.config import WORKER_CLS, PCPConfigError, PCPKnobs, prepare_pcp_config
+
+
+def _config(pcp=2, **over):
+    parallel = dict(prefill_context_parallel_size=pcp, data_parallel_size=1,
+                    pipeline_parallel_size=1, decode_context_parallel_size=1,
+                    worker_cls="vllm.v1.worker.gpu_worker.Worker")
+    model = dict(use_mla=False, is_multimodal_model=False, enable_prompt_embeds=False,
+                 model="m")
+    for key in list(over):
+        if key in parallel:
+            parallel[key] = over.pop(key)
+        elif key in model:
+            model[key] = over.pop(key)
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(**parallel), model_config=SimpleNamespace(**model),
+        speculative_config=over.pop("speculative_config", None),
+        lora_config=over.pop("lora_config", None),
+        attention_config=SimpleNamespace(backend=over.pop("backend", None)),
+        additional_config=over.pop("additional_config", {}))
+
+
+def test_pcp_config_selects_the_plugin_worker():
+    cfg = _config()
+    assert prepare_pcp_config(cfg)
+    assert cfg.parallel_config.worker_cls == WORKER_CLS
+    assert prepare_pcp_config(cfg)  # idempotent: vLLM may finalise twice
+
+
+@pytest.mark.parametrize("cfg", [_config(pcp=1), _config(use_mla=True)])
+def test_pcp1_and_mla_are_left_to_vllm(cfg):
+    assert not prepare_pcp_config(cfg)
+    assert cfg.parallel_config.worker_cls == "vllm.v1.worker.gpu_worker.Worker"
+
+
+@pytest.mark.parametrize("over,flag", [
+    (dict(data_parallel_size=2), "--data-parallel-size"),
+    (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
+    (dict(decode_context_parallel_size=2), "--decode-context-parallel-size"),
+    (dict(speculative_config=object()), "--speculative-config"),
+    (dict(lora_config=object()), "--enable-lora"),
+    (dict(is_multimodal_model=True), "multimodal"),
+    (dict(enable_prompt_embeds=True), "--enable-prompt-embeds"),
+    (dict(backend=SimpleNamespace(name="FLASH_ATTN")), "--attention-backend FLASH_ATTN"),
+    (dict(worker_cls="my.Worker"), "--worker-cls"),
+    (dict(additional_config={"pcp_min_split_tokens": -1}), "pcp_min_split_tokens"),
+])
+def test_refusals_name_the_flag(over, flag):
+    cfg = _config(**over)
+    with pytest.raises(PCPConfigError, match=flag.replace("-", r"\-")):
+        prepare_pcp_config(cfg)
+    assert cfg.parallel_config.worker_cls != WORKER_CLS
+
+
+def test_every_refusal_is_listed_at_once():
+    cfg = _config(pipeline_parallel_size=2, lora_config=object())
+    with pytest.raises(PCPConfigError) as err:
+        prepare_pcp_config(cfg)
+    assert "--pipeline-parallel-size" in str(err.value) and "--enable-lora" in str(err.value)
+
+
+def test_flashinfer_may_be_requested_explicitly():
+    assert prepare_pcp_config(_config(backend=SimpleNamespace(name="FLASHINFER")))
+
+
+def test_knobs():
+    assert PCPKnobs.from_additional_config({}).min_split_tokens == 2
+    assert PCPKnobs.from_additional_config({"pcp_min_split_tokens": 4096}).min_split_tokens == 4096
+    for bad in ("8", 1.5, True, -3):
+        with pytest.raises(PCPConfigError):
+            PCPKnobs.from_additional_config({"pcp_min_split_tokens": bad})

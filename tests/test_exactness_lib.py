@@ -1,0 +1,40 @@
+"""The pass rule and case list of the GPU exactness checks."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+from exactness_lib import build_cases, compare_outputs  # noqa: E402
+
+
+def _out(tokens, tops):
+    return {"token_ids": tokens,
+            "logprobs": [{str(t): lp for t, lp in top.items()} for top in tops]}
+
+
+def test_identical_outputs_pass_with_their_logprob_gap():
+    a = _out([5, 6], [{5: -0.1, 9: -3.0}, {6: -0.2}])
+    b = _out([5, 6], [{5: -0.15, 9: -2.9}, {6: -0.2}])
+    res = compare_outputs(a, b)
+    assert res == {"first_divergence": None, "max_abs_logprob_diff": 0.05, "passed": True}
+
+
+def test_divergence_passes_only_inside_each_others_top_k():
+    a = _out([5, 7], [{5: -0.1}, {7: -0.6, 8: -0.7}])
+    b = _out([5, 8], [{5: -0.1}, {8: -0.6, 7: -0.7}])
+    assert compare_outputs(a, b) == {"first_divergence": 1, "max_abs_logprob_diff": 0.0,
+                                     "passed": True}
+    c = _out([5, 3], [{5: -0.1}, {3: -0.5, 8: -0.7}])  # 3 not in b's top-k
+    assert not compare_outputs(c, b)["passed"]
+    assert not compare_outputs(a, b, top_k=1)["passed"]
+
+
+def test_cases_fit_the_model_length():
+    cases = build_cases(8152, 49152)
+    names = [c["case"] for c in cases]
+    assert "len_16384" not in names and "len_4097" in names
+    for case in cases:
+        assert all(1 <= len(p) <= 8152 for p in case["prompts"])
+        assert all(100 <= t < 49152 - 100 for p in case["prompts"] for t in p)
+    prefix = next(c for c in cases if c["case"] == "prefix_hit")["prompts"]
+    shared = len(prefix[0]) * 5 // 6
+    assert prefix[1][:shared] == prefix[0][:shared]

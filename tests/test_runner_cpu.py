@@ -1,0 +1,195 @@
+"""The PCP runner and backend on the CPU: two ranks as threads, fake model and builder.
+
+Without CP vs with CP: the restored hidden states and the written K/V must be
+what one process computes for the whole batch.
+"""
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.attention.backends.flashinfer import FlashInferImpl
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+import vllm_pcp.backend as backend_mod
+import vllm_pcp.runner as runner_mod
+from helpers import ThreadGroup
+from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder, PCPKVExchange
+from vllm_pcp.partition import build_pcp_metadata
+from vllm_pcp.runner import PCPModelRunner
+
+COMPUTED = [30, 0, 0, 12]
+SCHEDULED = [1, 37, 2, 9]  # decode, long prompt, short prompt, continuation
+BLOCKS = torch.arange(4 * 6, dtype=torch.int32).reshape(4, 6) + 100
+
+
+class _RecordingBuilder(PCPFlashInferMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        return SimpleNamespace(cm=common_attn_metadata)
+
+
+def _global_positions():
+    return torch.cat([c + torch.arange(s) for c, s in zip(COMPUTED, SCHEDULED)])
+
+
+def _make_runner(group, rank):
+    r = object.__new__(PCPModelRunner)
+    r.device = torch.device("cpu")
+    r.pcp_group = group.rank(rank)
+    r.pcp_world_size, r.pcp_rank = group.world_size, rank
+    r.pcp_min_split_tokens = 2 * group.world_size
+    r.reorder_batch_threshold = 1
+    r._pcp_plan = r._pcp_step = None
+    table = SimpleNamespace(get_device_tensor=lambda n: BLOCKS[:n])
+    r.input_batch = SimpleNamespace(num_reqs=len(SCHEDULED), block_table=[table],
+                                    num_computed_tokens_cpu=np.array(COMPUTED, np.int32))
+    r.kv_cache_config = SimpleNamespace(kv_cache_groups=[object()])
+    builder = object.__new__(_RecordingBuilder)
+    r.attn_groups = [[SimpleNamespace(layer_names=["l0", "l1"],
+                                      get_metadata_builder=lambda i: builder)]]
+    r.positions = _global_positions()
+    return r
+
+
+def _global_slots():
+    return torch.arange(sum(SCHEDULED), dtype=torch.int64) * 3 + 5
+
+
+def test_split_metadata_has_local_rows_and_gathered_slots():
+    group = ThreadGroup(2)
+    for rank in range(2):
+        runner = _make_runner(group, rank)
+        plan = build_pcp_metadata(COMPUTED, SCHEDULED, 2, rank, min_split_tokens=4)
+        metadata = runner._build_split_attention_metadata(plan, {0: _global_slots()})
+        cm = metadata["l0"].cm
+        assert metadata["l1"] is metadata["l0"]
+        local = plan.local_token_indices
+        assert torch.equal(cm.block_table_tensor, BLOCKS[plan.row_req_indices.long()])
+        assert torch.equal(cm.slot_mapping, _global_slots()[local])
+        assert torch.equal(cm.positions, _global_positions()[local])
+        assert torch.equal(cm.seq_lens, plan.seq_lens)
+        assert cm.num_reqs == plan.num_rows and cm.num_actual_tokens == len(local)
+        assert cm.pcp_exchange.num_padded_tokens_per_rank == plan.num_padded_tokens_per_rank
+        step = runner._pcp_step
+        gathered = step.slot_mapping_by_layer["l0"]
+        idx = plan.gathered_token_indices
+        assert gathered.shape == (2 * plan.num_padded_tokens_per_rank,)
+        assert torch.equal(gathered[idx >= 0], _global_slots()[idx[idx >= 0]])
+        assert (gathered[idx < 0] == -1).all()
+        # Every global slot is written exactly once across the gathered rows.
+        assert sorted(gathered[gathered >= 0].tolist()) == _global_slots().tolist()
+
+
+def test_model_forward_restores_the_single_process_result(monkeypatch):
+    group = ThreadGroup(2)
+    contexts = threading.local()
+    monkeypatch.setattr(runner_mod, "get_forward_context", lambda: contexts.ctx)
+    input_ids = torch.arange(sum(SCHEDULED)) * 7 + 1
+    positions = _global_positions()
+
+    def fake_model(input_ids, positions, intermediate_tensors, inputs_embeds):
+        return torch.stack([input_ids.float(), positions.float() * 0.5], dim=1)
+
+    def rank_fn(rank):
+        contexts.ctx = SimpleNamespace(slot_mapping=None, cudagraph_runtime_mode=None,
+                                       batch_descriptor="captured", is_padding="mask")
+        runner = _make_runner(group, rank)
+        runner.model = fake_model
+        plan = build_pcp_metadata(COMPUTED, SCHEDULED, 2, rank, min_split_tokens=4)
+        runner._build_split_attention_metadata(plan, {0: _global_slots()})
+        padded_ids = torch.cat([input_ids, torch.zeros(3, dtype=input_ids.dtype)])
+        padded_pos = torch.cat([positions, torch.zeros(3, dtype=positions.dtype)])
+        out = runner._model_forward(padded_ids, padded_pos)
+        assert runner._pcp_step is None  # consumed
+        assert contexts.ctx.batch_descriptor is None and contexts.ctx.is_padding is None
+        assert set(contexts.ctx.slot_mapping) == {"l0", "l1"}
+        return out
+
+    outs = group.run(rank_fn)
+    expect = fake_model(input_ids, positions, None, None)
+    for out in outs:
+        assert out.shape == (len(input_ids) + 3, 2)
+        torch.testing.assert_close(out[: len(input_ids)], expect)
+        assert (out[len(input_ids):] == 0).all()
+
+
+def test_non_split_steps_run_stock(monkeypatch):
+    group = ThreadGroup(2)
+    runner = _make_runner(group, 0)
+    calls = []
+    monkeypatch.setattr(GPUModelRunner, "_build_attention_metadata",
+                        lambda self, *a, **k: calls.append("stock") or ("md", None))
+    monkeypatch.setattr(GPUModelRunner, "_model_forward",
+                        lambda self, *a, **k: calls.append("forward") or "hidden")
+    runner._pcp_plan = build_pcp_metadata([5, 9], [1, 1], 2, 0, min_split_tokens=4)
+    assert runner._build_attention_metadata(slot_mappings={0: _global_slots()}) == ("md", None)
+    assert runner._model_forward(torch.zeros(2), torch.zeros(2)) == "hidden"
+    # A split plan is ignored while capturing CUDA graphs.
+    runner._pcp_plan = build_pcp_metadata([0], [16], 2, 0, min_split_tokens=4)
+    runner._build_attention_metadata(for_cudagraph_capture=True, slot_mappings={})
+    assert calls == ["stock", "forward", "stock"] and runner._pcp_step is None
+
+
+def test_prepare_inputs_plans_from_the_persistent_batch(monkeypatch):
+    runner = _make_runner(ThreadGroup(2), 1)
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
+    assert runner._prepare_inputs(None, np.array(SCHEDULED, np.int32)) == ("idx", None)
+    expect = build_pcp_metadata(COMPUTED, SCHEDULED, 2, 1, min_split_tokens=4)
+    assert torch.equal(runner._pcp_plan.local_token_indices, expect.local_token_indices)
+    assert runner._pcp_plan.num_split_requests == 2  # the 37- and 9-token prefills
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_kv_update_writes_every_ranks_tokens(monkeypatch, world):
+    group = ThreadGroup(world)
+    written = {}
+    monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update",
+                        lambda self, layer, k, v, cache, slots: written.__setitem__(
+                            self.rank, (k.clone(), v.clone(), slots)))
+    plans = [build_pcp_metadata(COMPUTED, SCHEDULED, world, r, min_split_tokens=2)
+             for r in range(world)]
+    padded = plans[0].num_padded_tokens_per_rank
+    monkeypatch.setattr(backend_mod, "_current_exchange",
+                        lambda layer: layer.exchange)
+    k_all = torch.randn(sum(SCHEDULED), 2, 8)
+    v_all = torch.randn(sum(SCHEDULED), 2, 8)
+
+    def rank_fn(rank):
+        impl = object.__new__(PCPFlashInferImpl)
+        impl.rank = rank
+        layer = SimpleNamespace(exchange=PCPKVExchange(group.rank(rank), padded))
+        local = plans[rank].local_token_indices
+        impl.do_kv_cache_update(layer, k_all[local], v_all[local], None, "slots")
+
+    group.run(rank_fn)
+    idx = plans[0].gathered_token_indices
+    for rank in range(world):
+        k, v, slots = written[rank]
+        assert k.shape == (world * padded, 2, 8) and slots == "slots"
+        torch.testing.assert_close(k[idx >= 0], k_all[idx[idx >= 0]])
+        torch.testing.assert_close(v[idx >= 0], v_all[idx[idx >= 0]])
+
+
+def test_kv_update_without_exchange_is_stock(monkeypatch):
+    seen = []
+    monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update",
+                        lambda self, layer, k, v, cache, slots: seen.append(k))
+    monkeypatch.setattr(backend_mod, "_current_exchange", lambda layer: None)
+    key = torch.randn(3, 1, 4)
+    object.__new__(PCPFlashInferImpl).do_kv_cache_update(None, key, key, None, None)
+    assert seen[0] is key
+
+
+def test_current_exchange_reads_the_layers_metadata(monkeypatch):
+    import vllm.forward_context as fc
+
+    exchange = PCPKVExchange(object(), 8)
+    ctx = SimpleNamespace(attn_metadata={"l0": SimpleNamespace(pcp_exchange=exchange),
+                                         "l1": SimpleNamespace()})
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: ctx)
+    assert backend_mod._current_exchange(SimpleNamespace(layer_name="l0")) is exchange
+    assert backend_mod._current_exchange(SimpleNamespace(layer_name="l1")) is None
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: False)
+    assert backend_mod._current_exchange(SimpleNamespace(layer_name="l0")) is None

@@ -1,0 +1,107 @@
+"""vLLM 0.26.0 symbols that vllm-pcp patches or overrides still have the shape it relies on.
+
+Each test fails if an upgrade of vLLM changes the symbol, so the patch or
+override is revisited instead of silently misbehaving.
+"""
+import ast
+import dataclasses
+import importlib.util
+import inspect
+
+import vllm
+from vllm.forward_context import ForwardContext
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMetadataBuilder
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_pcp import patch_platform_config
+
+
+def _params(fn):
+    return list(inspect.signature(fn).parameters)
+
+
+def test_vllm_version_is_the_target():
+    assert vllm.__version__ == "0.26.0"
+
+
+def _cuda_platform_method():
+    """The AST of CudaPlatformBase.check_and_update_config, read without importing
+    vllm.platforms.cuda (that import needs libcuda)."""
+    path = importlib.util.find_spec("vllm.platforms.cuda").origin
+    tree = ast.parse(open(path).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef)
+               and n.name == "CudaPlatformBase")
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef)
+                and n.name == "check_and_update_config")
+
+
+def test_patched_platform_hook_has_the_0_26_shape():
+    fn = _cuda_platform_method()
+    assert [d.id for d in fn.decorator_list if isinstance(d, ast.Name)] == ["classmethod"]
+    assert [a.arg for a in fn.args.args] == ["cls", "vllm_config"]
+    source = ast.unparse(fn)
+    assert "parallel_config.worker_cls == 'auto'" in source
+    assert "parallel_config.worker_cls = 'vllm.v1.worker.gpu_worker.Worker'" in source
+
+
+def test_wrap_runs_vllm_first_then_the_plugin_once(monkeypatch):
+    calls = []
+
+    class FakePlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            calls.append(("vllm", vllm_config))
+
+    import vllm_pcp.config as config_mod
+
+    monkeypatch.setattr(config_mod, "prepare_pcp_config", lambda c: calls.append(("pcp", c)))
+    assert patch_platform_config.wrap(FakePlatform)
+    assert not patch_platform_config.wrap(FakePlatform)  # idempotent
+    FakePlatform.check_and_update_config("cfg")
+    assert calls == [("vllm", "cfg"), ("pcp", "cfg")]
+
+
+def test_apply_leaves_non_cuda_platforms_alone():
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return  # covered on GPU machines by the engine start itself
+    assert patch_platform_config.apply() is False
+
+
+def test_runner_seams():
+    assert _params(GPUModelRunner._prepare_inputs) == [
+        "self", "scheduler_output", "num_scheduled_tokens"]
+    build = _params(GPUModelRunner._build_attention_metadata)
+    for name in ("num_tokens", "num_reqs", "max_query_len", "ubatch_slices",
+                 "for_cudagraph_capture", "slot_mappings"):
+        assert name in build
+    assert _params(GPUModelRunner._model_forward) == [
+        "self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
+        "model_kwargs"]
+    assert callable(Worker.init_device)
+
+
+def test_backend_seams():
+    assert _params(FlashInferImpl.do_kv_cache_update) == [
+        "self", "layer", "key", "value", "kv_cache", "slot_mapping"]
+    assert _params(FlashInferMetadataBuilder.build) == [
+        "self", "common_prefix_len", "common_attn_metadata", "fast_build"]
+    fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    assert {"query_start_loc", "query_start_loc_cpu", "seq_lens", "_seq_lens_cpu",
+            "_num_computed_tokens_cpu", "seq_lens_cpu_upper_bound", "num_reqs",
+            "num_actual_tokens", "max_query_len", "max_seq_len", "block_table_tensor",
+            "slot_mapping", "causal", "positions"} <= fields
+    assert not hasattr(CommonAttentionMetadata, "__slots__")  # pcp_exchange rides along
+    ctx_fields = {f.name for f in dataclasses.fields(ForwardContext)}
+    assert {"attn_metadata", "slot_mapping", "cudagraph_runtime_mode", "batch_descriptor",
+            "is_padding"} <= ctx_fields
+
+
+def test_pcp_gate_reads_the_impl_flag():
+    from vllm_pcp.backend import PCPFlashInferBackend
+
+    assert PCPFlashInferBackend.supports_pcp()
+    assert PCPFlashInferBackend.get_name() == "FLASHINFER"
