@@ -193,3 +193,10 @@ def test_current_exchange_reads_the_layers_metadata(monkeypatch):
     assert backend_mod._current_exchange(SimpleNamespace(layer_name="l1")) is None
     monkeypatch.setattr(fc, "is_forward_context_available", lambda: False)
     assert backend_mod._current_exchange(SimpleNamespace(layer_name="l0")) is None
+
+
+def test_prepare_inputs_skips_planning_without_a_split(monkeypatch):
+    runner = _make_runner(ThreadGroup(2), 0)
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
+    runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))  # all below 2N = 4
+    assert runner._pcp_plan is None

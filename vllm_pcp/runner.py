@@ -71,6 +71,9 @@ class PCPModelRunner(GPUModelRunner):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         num_reqs = self.input_batch.num_reqs
+        if int(num_scheduled_tokens[:num_reqs].max()) < self.pcp_min_split_tokens:
+            self._pcp_plan = None  # nothing to split: decodes and short prefills only
+            return result
         self._pcp_plan = build_pcp_metadata(
             self.input_batch.num_computed_tokens_cpu[:num_reqs],
             num_scheduled_tokens[:num_reqs],

@@ -1,0 +1,165 @@
+"""TTFT and decode ITL of PCP against one GPU, TP and stock vLLM, side by side.
+
+    python scripts/bench_pcp.py run --configs pcp1-stock,pcp1,pcp2,tp2 \
+        --prompt-lens 4096,32768,131072 --raw $OUT/bench-raw.json
+    python scripts/bench_pcp.py report --raw bench-raw.json --git-rev REV \
+        --command "..." --out-dir benchmarks/results
+
+One engine per configuration, each in its own process, all on the same host in
+one run. The model is the Qwen2.5-3B shape of configs/models with dummy weights
+(36 layers, 16 q / 2 kv heads, head_dim 128). TTFT is the wall time of a
+one-token generation of a single prompt, prefill unchunked; ITL is
+``(t(1 + n) - t(1)) / n`` at a 32K context, batch 1 and 8. Medians of
+``--repeats`` after one warm-up. ``pcp1-stock`` runs vLLM without the plugin
+(``VLLM_PLUGINS`` names no plugin); every other configuration uses FlashInfer.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CONFIGS = {
+    "pcp1-stock": ({"prefill_context_parallel_size": 1}, {"VLLM_PLUGINS": "none"}),
+    "pcp1": ({"prefill_context_parallel_size": 1}, {}),
+    "pcp2": ({"prefill_context_parallel_size": 2}, {}),
+    "tp2": ({"tensor_parallel_size": 2}, {}),
+}
+ITL_CONTEXT, ITL_TOKENS, ITL_BATCHES = 32768, 128, (1, 8)
+
+
+def _model_dir(config_json: str, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    shutil.copy(config_json, os.path.join(out_dir, "config.json"))
+    return out_dir
+
+
+def _timed(llm, prompts, max_tokens: int) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def measure(args) -> None:
+    """Worker: one engine, every prompt length and ITL point."""
+    import numpy as np
+    from vllm import LLM
+
+    lens = [int(x) for x in args.prompt_lens.split(",")]
+    engine_kwargs, _ = CONFIGS[args.config]
+    max_len = max(lens) + ITL_TOKENS + 8
+    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=max_len,
+              max_num_seqs=max(ITL_BATCHES), enable_prefix_caching=False,
+              gpu_memory_utilization=0.85, attention_backend="FLASHINFER",
+              enforce_eager=args.eager, seed=0, **engine_kwargs)
+    rng = np.random.default_rng(0)
+
+    def prompts(n, batch):
+        return [{"prompt_token_ids": rng.integers(100, 100_000, n).tolist()}
+                for _ in range(batch)]
+
+    rows = []
+    for n in lens:
+        _timed(llm, prompts(n, 1), 1)
+        ttft = [_timed(llm, prompts(n, 1), 1) for _ in range(args.repeats)]
+        rows.append({"kind": "ttft", "prompt_len": n, "ttft_s": ttft})
+        print(f"{args.config} ttft {n}: {statistics.median(ttft):.4f} s", flush=True)
+    for batch in ITL_BATCHES:
+        _timed(llm, prompts(ITL_CONTEXT, batch), 1 + ITL_TOKENS)
+        itl = []
+        for _ in range(args.repeats):
+            first = _timed(llm, prompts(ITL_CONTEXT, batch), 1)
+            full = _timed(llm, prompts(ITL_CONTEXT, batch), 1 + ITL_TOKENS)
+            itl.append((full - first) / ITL_TOKENS)
+        rows.append({"kind": "itl", "context": ITL_CONTEXT, "batch": batch, "itl_s": itl})
+        print(f"{args.config} itl batch {batch}: {statistics.median(itl) * 1e3:.2f} ms",
+              flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"config": args.config, "rows": rows}, f)
+
+
+def run(args) -> None:
+    model = _model_dir(os.path.join(ROOT, "configs", "models", "qwen2.5-3b-shape.json"),
+                       "/tmp/bench-models/qwen2.5-3b-shape")
+    raw = {"versions": _versions(), "eager": args.eager, "runs": []}
+    for config in args.configs.split(","):
+        out = f"/tmp/bench-{config}.json"
+        env = {**os.environ, **CONFIGS[config][1]}
+        cmd = [sys.executable, __file__, "measure", "--config", config, "--model", model,
+               "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
+               "--out", out] + (["--eager"] if args.eager else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        entry = {"config": config, "returncode": proc.returncode}
+        if proc.returncode == 0:
+            with open(out) as f:
+                entry["rows"] = json.load(f)["rows"]
+        else:
+            entry["log_tail"] = (proc.stdout + proc.stderr)[-6000:]
+        print(f"{config}: rc={proc.returncode}", flush=True)
+        raw["runs"].append(entry)
+        with open(args.raw, "w") as f:
+            json.dump(raw, f)
+
+
+def _versions() -> dict:
+    import torch
+
+    out = {"torch": torch.__version__,
+           "gpu": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"}
+    for mod in ("vllm", "flashinfer"):
+        out[mod] = __import__(mod).__version__
+    return out
+
+
+def report(args) -> None:
+    """Write ttft.json, itl.json and ttft.png from one raw run."""
+    from bench_report import write_reports
+
+    with open(args.raw) as f:
+        raw = json.load(f)
+    meta = {"git_rev": args.git_rev, "command": args.command, **raw["versions"],
+            "date": datetime.date.today().isoformat(), "enforce_eager": raw["eager"]}
+    print(json.dumps(write_reports(raw, meta, args.out_dir), indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--configs", default="pcp1-stock,pcp1,pcp2,tp2")
+    r.add_argument("--prompt-lens", default="4096,32768,131072")
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--eager", action="store_true")
+    r.add_argument("--raw", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--config", choices=sorted(CONFIGS), required=True)
+    m.add_argument("--model", required=True)
+    m.add_argument("--prompt-lens", required=True)
+    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--eager", action="store_true")
+    m.add_argument("--out", required=True)
+    p = sub.add_parser("report")
+    p.add_argument("--raw", required=True)
+    p.add_argument("--git-rev", required=True)
+    p.add_argument("--command", required=True)
+    p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    args = ap.parse_args()
+    {"run": run, "measure": measure, "report": report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    main()

@@ -1,0 +1,73 @@
+"""Turn a bench_pcp.py raw run into results files, ratios and a plot (pure, CPU-testable)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+
+def _ttft_rows(raw: dict) -> list[dict]:
+    rows = []
+    for run in raw["runs"]:
+        for row in run.get("rows", []):
+            if row["kind"] == "ttft":
+                rows.append({"config": run["config"], "prompt_len": row["prompt_len"],
+                             "ttft_s": row["ttft_s"],
+                             "median_s": statistics.median(row["ttft_s"])})
+    return rows
+
+
+def _itl_rows(raw: dict) -> list[dict]:
+    rows = []
+    for run in raw["runs"]:
+        for row in run.get("rows", []):
+            if row["kind"] == "itl":
+                rows.append({"config": run["config"], "context": row["context"],
+                             "batch": row["batch"], "itl_s": row["itl_s"],
+                             "median_s": statistics.median(row["itl_s"])})
+    return rows
+
+
+def ratios(ttft_rows: list[dict]) -> dict:
+    """TTFT(a) / TTFT(b) per prompt length, for the pairs the goals name."""
+    med = {(r["config"], r["prompt_len"]): r["median_s"] for r in ttft_rows}
+    out = {}
+    for num, den in (("pcp1", "pcp2"), ("tp2", "pcp2"), ("pcp1-stock", "pcp1")):
+        for (cfg, n), value in med.items():
+            if cfg == num and (den, n) in med:
+                out[f"{num}/{den}@{n}"] = round(value / med[(den, n)], 4)
+    return out
+
+
+def plot(ttft_rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for config in sorted({r["config"] for r in ttft_rows}):
+        pts = sorted((r["prompt_len"], r["median_s"]) for r in ttft_rows if r["config"] == config)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=config)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT, median (s)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_reports(raw: dict, meta: dict, out_dir: str) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    ttft, itl = _ttft_rows(raw), _itl_rows(raw)
+    failed = {r["config"]: r.get("log_tail", "")[-800:] for r in raw["runs"] if r["returncode"]}
+    summary = {"ratios": ratios(ttft), "failed_configs": failed}
+    with open(os.path.join(out_dir, "ttft.json"), "w") as f:
+        json.dump({"meta": meta, "summary": summary, "rows": ttft}, f, indent=1)
+    with open(os.path.join(out_dir, "itl.json"), "w") as f:
+        json.dump({"meta": meta, "rows": itl}, f, indent=1)
+    if ttft:
+        plot(ttft, os.path.join(out_dir, "ttft.png"))
+    return summary

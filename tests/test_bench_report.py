@@ -1,0 +1,45 @@
+"""Benchmark report: medians, the goal ratios and the result files."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import bench_report  # noqa: E402
+
+RAW = {"runs": [
+    {"config": "pcp1", "returncode": 0, "rows": [
+        {"kind": "ttft", "prompt_len": 32768, "ttft_s": [0.60, 0.58, 0.59]},
+        {"kind": "itl", "context": 32768, "batch": 1, "itl_s": [0.010, 0.011, 0.012]}]},
+    {"config": "pcp2", "returncode": 0, "rows": [
+        {"kind": "ttft", "prompt_len": 32768, "ttft_s": [0.31, 0.30, 0.32]}]},
+    {"config": "tp2", "returncode": 1, "log_tail": "boom"},
+]}
+
+
+def test_ratios_use_medians():
+    rows = bench_report._ttft_rows(RAW)
+    assert [r["median_s"] for r in rows] == [0.59, 0.31]
+    assert bench_report.ratios(rows) == {"pcp1/pcp2@32768": round(0.59 / 0.31, 4)}
+
+
+def test_write_reports(tmp_path, monkeypatch):
+    plotted = []
+    monkeypatch.setattr(bench_report, "plot", lambda rows, path: plotted.append(path))
+    summary = bench_report.write_reports(RAW, {"git_rev": "abc"}, str(tmp_path))
+    assert summary["failed_configs"] == {"tp2": "boom"}
+    ttft = json.load(open(tmp_path / "ttft.json"))
+    assert ttft["meta"] == {"git_rev": "abc"} and len(ttft["rows"]) == 2
+    itl = json.load(open(tmp_path / "itl.json"))
+    assert itl["rows"][0]["median_s"] == pytest.approx(0.011)
+    assert plotted == [str(tmp_path / "ttft.png")]
+
+
+def test_gsm8k_task_mirrors_lm_eval_and_takes_a_data_dir():
+    yaml = pytest.importorskip("yaml")
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "lm_eval", "gsm8k_local.yaml")
+    task = yaml.safe_load(open(path))
+    assert task["dataset_path"] == "json" and task["num_fewshot"] == 5
+    assert task["dataset_kwargs"]["data_files"]["test"] == "@DATA_DIR@/test.jsonl"
+    assert [f["name"] for f in task["filter_list"]] == ["strict-match", "flexible-extract"]
