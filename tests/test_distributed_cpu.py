@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vllm_pcp.dcp_plan import build_dcp_plan
 from vllm_pcp.exchange import gather_kv, restore_hidden_states
+from vllm_pcp.kv_shard import dcp_local_offset, dcp_owner
 from vllm_pcp.partition import build_pcp_metadata
 from vllm_pcp.reference import (causal_attention, dcp_partial_decode, merge_states,
-                                rank_prefill_attention)
+                                pcp_dcp_rank_attention, rank_prefill_attention)
 
 HEAD_LAYOUTS = [(16, 2), (8, 1)]
 HEAD_DIM = 16
@@ -30,6 +32,7 @@ class GlooGroup:
 
     def __init__(self):
         self.world_size = dist.get_world_size()
+        self.device_group = None  # the default (gloo) group
 
     def all_gather(self, x, dim=0):
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
@@ -40,8 +43,8 @@ class GlooGroup:
 def _batch(seed, hq, hkv):
     """Same tensors on every rank: prior KV of each request plus the new tokens."""
     g = torch.Generator().manual_seed(seed)
-    computed = [0, 37, 0, 5, 0, 60]
-    scheduled = [1 + seed % 3, 90, 1, 200, 13, 1]  # short, long, decode, ...
+    computed = [0, 37, 0, 5, 0, 60, 21]
+    scheduled = [1 + seed % 3, 90, 1, 200, 13, 1, 3]  # short, long, decode, ...
     total = sum(scheduled)
     new = {n: torch.randn(total, h, HEAD_DIM, generator=g)
            for n, h in (("q", hq), ("k", hkv), ("v", hkv))}
@@ -89,6 +92,42 @@ def _pcp_attention(rank, world, computed, scheduled, new, prior, min_split):
     return restored[: meta.num_tokens].reshape(-1, *out.shape[1:])
 
 
+def _shard_write(shard, k_rows, v_rows, positions, req, rank, world, interleave):
+    """The DCP cache write: keep the rows this rank owns, at their local offsets."""
+    mine = dcp_owner(positions, world, interleave) == rank
+    offsets = dcp_local_offset(positions[mine], world, interleave)
+    shard[req][0][offsets] = k_rows[mine]
+    shard[req][1][offsets] = v_rows[mine]
+
+
+def _pcp_dcp_attention(rank, world, interleave, computed, scheduled, new, prior, min_split):
+    group = GlooGroup()
+    plan = build_dcp_plan(computed, scheduled, world, rank, interleave,
+                          min_split_tokens=min_split)
+    meta = plan.pcp
+    local = meta.local_token_indices
+    k_all, v_all = gather_kv(group, new["k"][local], new["v"][local],
+                             meta.num_padded_tokens_per_rank)
+    k_step, v_step = k_all[meta.restore_indices], v_all[meta.restore_indices]
+    shard, start = [], 0
+    for req, ((pk, pv), c, s) in enumerate(zip(prior, computed, scheduled)):
+        cap = c + s
+        shard.append((torch.full((cap, *pk.shape[1:]), float("nan")),
+                      torch.full((cap, *pv.shape[1:]), float("nan"))))
+        _shard_write(shard, pk, pv, torch.arange(c), req, rank, world, interleave)
+        _shard_write(shard, k_step[start:start + s], v_step[start:start + s],
+                     c + torch.arange(s), req, rank, world, interleave)
+        full_k = torch.cat([pk, new["k"][start:start + s]])
+        owned = dcp_owner(torch.arange(cap), world, interleave) == rank
+        assert torch.equal(shard[req][0][: int(owned.sum())], full_k[owned])
+        start += s
+    out = pcp_dcp_rank_attention(plan, group, new["q"][local], k_step, v_step, shard)
+    flat = out.reshape(out.shape[0], -1)
+    restored = restore_hidden_states(group, flat, meta.num_padded_tokens_per_rank,
+                                     meta.restore_indices)
+    return restored.reshape(-1, *out.shape[1:])
+
+
 def _dcp_decode(rank, world, interleave, hq, hkv):
     g = torch.Generator().manual_seed(interleave)
     q = torch.randn(1, hq, HEAD_DIM, generator=g)
@@ -117,6 +156,11 @@ def _worker(rank, world, port, results):
                                                atol=1e-5, rtol=1e-5)
             for interleave in (1, 8, 16):
                 _dcp_decode(rank, world, interleave, hq, hkv)
+                for min_split in (2, 16):
+                    batch = _batch(interleave, hq, hkv)
+                    got = _pcp_dcp_attention(rank, world, interleave, *batch, min_split)
+                    torch.testing.assert_close(got, _full_attention(*batch),
+                                               atol=1e-5, rtol=1e-5)
         results[rank] = "ok"
     except Exception as exc:  # reported to the parent, which fails the test
         results[rank] = f"{type(exc).__name__}: {exc}"

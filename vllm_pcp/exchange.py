@@ -80,3 +80,13 @@ def gathered_slot_mapping(slot_mapping: torch.Tensor,
     valid = gathered_token_indices >= 0
     slots = slot_mapping.index_select(0, gathered_token_indices.clamp(min=0))
     return torch.where(valid, slots, torch.full_like(slots, -1))
+
+
+def all_to_all(group, x: torch.Tensor) -> torch.Tensor:
+    """Block q of ``x`` (``[N * B, ...]``) goes to rank q; returns the N blocks
+    received, from rank 0 first. ``B`` must be the same on every rank."""
+    import torch.distributed as dist
+
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group.device_group)
+    return out

@@ -14,11 +14,13 @@ from vllm_pcp.kv_shard import dcp_owner
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float | None = None,
+                     causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Bottom-right causal GQA attention of ``Tq`` queries over ``Tk`` keys.
 
     Query i sees keys ``j <= i + Tk - Tq``: the queries are the last ``Tq``
     tokens of a sequence of ``Tk`` (FlashInfer's ``causal=True`` convention).
+    With ``causal=False`` every query sees every key.
 
     Parameters
     ----------
@@ -41,7 +43,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
-    visible = torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
+    visible = torch.ones(tq, tk, dtype=torch.bool)
+    if causal:
+        visible = visible.tril(diagonal=tk - tq)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse_e = torch.logsumexp(scores, dim=-1)  # [Hq, Tq]
     probs = torch.exp(scores - lse_e.unsqueeze(-1)).nan_to_num(0.0)
@@ -120,3 +124,75 @@ def dcp_partial_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return (torch.zeros(q.shape, dtype=torch.float32),
                 torch.full(q.shape[:2], float("-inf")))
     return causal_attention(q, k_local, v_local)
+
+
+def _empty_state(rows: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.zeros((rows, *q.shape[1:]), dtype=torch.float32),
+            torch.full((rows, q.shape[1]), float("-inf")))
+
+
+def _attend_rows(rows, queries, kv_per_request, out, lse, causal) -> None:
+    """Run each row of an ``AttentionRows`` (or new-part) plan, writing into out/lse."""
+    for r in range(len(rows.kv_len)):
+        kv_len = int(rows.kv_len[r])
+        if kv_len == 0:
+            continue
+        idx = rows.query_index[int(rows.qo_indptr[r]):int(rows.qo_indptr[r + 1])]
+        k, v = kv_per_request[int(rows.req[r])]
+        out[idx], lse[idx] = causal_attention(queries[idx], k[:kv_len], v[:kv_len],
+                                              causal=causal)
+
+
+def pcp_dcp_rank_attention(plan, group, q_local: torch.Tensor, k_step: torch.Tensor,
+                           v_step: torch.Tensor, shard: list) -> torch.Tensor:
+    """One rank's attention under PCP x DCP, following a ``DCPAttentionPlan``.
+
+    Parameters
+    ----------
+    plan : vllm_pcp.dcp_plan.DCPAttentionPlan
+    group : object with ``world_size``, ``all_gather`` and ``device_group``
+    q_local : torch.Tensor
+        ``[L, Hq, D]`` this rank's queries, local order.
+    k_step, v_step : torch.Tensor
+        ``[T, Hkv, D]`` this step's new K/V of every rank, step order.
+    shard : list of (k, v)
+        Per request, this rank's stored KV in local-offset order.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[L, Hq, D]`` float32.
+    """
+    from vllm_pcp.exchange import all_to_all
+
+    n, pcp = group.world_size, plan.pcp
+    qsl, padded = pcp.query_start_loc, pcp.num_padded_tokens_per_rank
+    num_local = q_local.shape[0]
+    new_out, new_lse = _empty_state(num_local, q_local)
+    for j in range(pcp.num_rows):
+        lo, hi = int(qsl[j]), int(qsl[j + 1])
+        kv = plan.new_kv_token_index[int(plan.new_kv_indptr[j]):int(plan.new_kv_indptr[j + 1])]
+        new_out[lo:hi], new_lse[lo:hi] = causal_attention(q_local[lo:hi], k_step[kv], v_step[kv])
+
+    q_all = group.all_gather(_pad(q_local, padded), dim=0)
+    out, lse = _empty_state(n * padded, q_local)
+    _attend_rows(plan.ctx_split, q_all, shard, out, lse, causal=False)
+    out, lse = all_to_all(group, out), all_to_all(group, lse)
+    ctx_out, ctx_lse = merge_states(out.view(n, padded, *out.shape[1:]).transpose(0, 1),
+                                    lse.view(n, padded, -1).transpose(0, 1))
+    ctx_out, ctx_lse = ctx_out[:num_local], ctx_lse[:num_local]
+
+    rep = plan.ctx_replicated
+    rep_out, rep_lse = _empty_state(num_local, q_local)
+    _attend_rows(rep, q_local, shard, rep_out, rep_lse, causal=False)
+    idx = rep.query_index
+    parts_out = group.all_gather(rep_out[idx].unsqueeze(1), dim=1)
+    parts_lse = group.all_gather(rep_lse[idx].unsqueeze(1), dim=1)
+    ctx_out[idx], ctx_lse[idx] = merge_states(parts_out, parts_lse)
+    return merge_state(ctx_out, ctx_lse, new_out, new_lse)[0]
+
+
+def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
+    out = x.new_zeros((rows, *x.shape[1:]))
+    out[: x.shape[0]] = x
+    return out

@@ -1,0 +1,48 @@
+"""Pure properties of the PCP x DCP attention plan (numerics: test_distributed_cpu.py)."""
+import numpy as np
+import pytest
+import torch
+
+from vllm_pcp.dcp_plan import build_dcp_plan
+from vllm_pcp.kv_shard import dcp_local_seq_len
+
+COMPUTED = [0, 37, 0, 5, 60, 21, 300]
+SCHEDULED = [2, 90, 1, 200, 1, 3, 64]
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
+def test_collective_sizes_match_on_every_rank(world, interleave):
+    plans = [build_dcp_plan(COMPUTED, SCHEDULED, world, r, interleave, min_split_tokens=8)
+             for r in range(world)]
+    padded = plans[0].pcp.num_padded_tokens_per_rank
+    rep_tokens = {len(p.ctx_replicated.query_index) for p in plans}
+    assert len(rep_tokens) == 1  # the replicated all-gather has one size
+    for p in plans:
+        split = p.ctx_split
+        # Every rank attends the same split queries (all ranks'), to its own shard.
+        assert torch.equal(split.query_index, plans[0].ctx_split.query_index)
+        assert (split.query_index < world * padded).all()
+        expect = [int(dcp_local_seq_len(torch.tensor(COMPUTED[r]), p.dcp_rank, world,
+                                        interleave)) for r in split.req.tolist()]
+        assert split.kv_len.tolist() == expect
+
+
+def test_context_rows_are_exactly_the_requests_with_context():
+    plan = build_dcp_plan(COMPUTED, SCHEDULED, 2, 0, 1, min_split_tokens=8)
+    with_context = {i for i, c in enumerate(COMPUTED) if c > 0}
+    split = {i for i, s in enumerate(SCHEDULED) if s >= 8}
+    assert set(plan.ctx_split.req.tolist()) == with_context & split
+    assert set(plan.ctx_replicated.req.tolist()) == with_context - split
+    # Split rows read the gathered buffer: one head and one tail chunk per request and rank.
+    assert len(plan.ctx_split.req) == 2 * 2 * len(with_context & split)
+
+
+def test_new_part_reads_the_steps_tokens_up_to_each_row_end():
+    plan = build_dcp_plan(COMPUTED, SCHEDULED, 2, 1, 1, min_split_tokens=8)
+    token_start = np.cumsum(SCHEDULED) - SCHEDULED
+    indptr = plan.new_kv_indptr
+    for j in range(plan.pcp.num_rows):
+        req = int(plan.pcp.row_req_indices[j])
+        kv = plan.new_kv_token_index[int(indptr[j]):int(indptr[j + 1])]
+        new_len = int(plan.pcp.seq_lens[j]) - COMPUTED[req]
+        assert kv.tolist() == list(range(token_start[req], token_start[req] + new_len))

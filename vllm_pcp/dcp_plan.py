@@ -1,0 +1,150 @@
+"""Attention plan for PCP with the KV cache sharded over the same ranks (DCP == PCP).
+
+With ``-pcp N -dcp N`` rank d stores only the KV tokens it owns
+(:mod:`vllm_pcp.kv_shard`). A local query row of a request with C tokens
+computed before this step needs two pieces of keys::
+
+    keys of a row     [ context: 0 .. C )           [ new: C .. row end )
+                        sharded over the N ranks       this step's tokens: gathered
+                        (written in earlier steps)     on every rank before the write
+
+    new part          causal, from the gathered new K/V, on every rank locally
+    context part      non-causal over each rank's shard -> N partial states,
+                      merged by LSE (base 2):
+      split rows        all-gather Q; every rank attends all ranks' split queries
+                        to its shard; all-to-all sends each partial to its owner
+      replicated rows   every rank attends its own (identical) copy; all-gather
+                        the partials
+    result            merge(context, new)
+
+Pure functions of the scheduler output, like :mod:`vllm_pcp.partition`. Every
+collective size here -- ``N * P`` gathered queries, the replicated-token count
+-- is the same on every rank.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_pcp.kv_shard import dcp_local_seq_len
+from vllm_pcp.partition import PrefillContextParallelMetadata, build_pcp_metadata
+
+
+@dataclass(frozen=True)
+class AttentionRows:
+    """One kernel call: rows of queries read from a query buffer.
+
+    Attributes
+    ----------
+    query_index : torch.Tensor
+        ``[M]`` int64, buffer row of each query token, row after row.
+    qo_indptr : torch.Tensor
+        ``[R + 1]`` int32, cumulative query counts.
+    req : torch.Tensor
+        ``[R]`` int32, batch index of each row's request (its block table).
+    kv_len : torch.Tensor
+        ``[R]`` int32, keys the row attends to (0: the row contributes nothing).
+    """
+
+    query_index: torch.Tensor
+    qo_indptr: torch.Tensor
+    req: torch.Tensor
+    kv_len: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DCPAttentionPlan:
+    """One step of PCP x DCP attention, seen from ``dcp_rank``.
+
+    ``pcp`` is the step's PCP plan (local rows, gathered layout). The new part
+    reads ``new_kv_token_index[new_kv_indptr[j]:new_kv_indptr[j + 1]]`` (global
+    token indices, step order) for local row j, causally. ``ctx_split`` reads
+    the all-gathered query buffer ``[N * P]``; ``ctx_replicated`` reads local
+    queries, in an order that is the same on every rank.
+    """
+
+    pcp: PrefillContextParallelMetadata
+    dcp_world_size: int
+    dcp_rank: int
+    interleave: int
+    new_kv_token_index: torch.Tensor
+    new_kv_indptr: torch.Tensor
+    ctx_split: AttentionRows
+    ctx_replicated: AttentionRows
+
+
+def _rows(query_ranges: list[np.ndarray], reqs: list[int], kv_lens: list[int]) -> AttentionRows:
+    lens = [len(r) for r in query_ranges]
+    index = np.concatenate(query_ranges) if query_ranges else np.zeros(0, np.int64)
+    return AttentionRows(
+        query_index=torch.from_numpy(index.astype(np.int64)),
+        qo_indptr=torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32),
+        req=torch.tensor(reqs, dtype=torch.int32),
+        kv_len=torch.tensor(kv_lens, dtype=torch.int32))
+
+
+def _local_kv(computed: int, rank: int, world: int, interleave: int) -> int:
+    return int(dcp_local_seq_len(torch.tensor(computed), rank, world, interleave))
+
+
+def _row_spans(meta: PrefillContextParallelMetadata):
+    qsl = meta.query_start_loc.numpy()
+    return [(int(meta.row_req_indices[j]), int(meta.seq_lens[j]), qsl[j], qsl[j + 1])
+            for j in range(meta.num_rows)]
+
+
+def build_dcp_plan(
+    num_computed_tokens: Sequence[int],
+    num_scheduled_tokens: Sequence[int],
+    world_size: int,
+    rank: int,
+    interleave: int,
+    *,
+    min_split_tokens: int = 2,
+    decode_threshold: int = 1,
+) -> DCPAttentionPlan:
+    """Plan one step for ``rank`` of a group that is both the PCP and the DCP group."""
+    computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
+    scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
+    metas = [build_pcp_metadata(computed, scheduled, world_size, r,
+                                min_split_tokens=min_split_tokens,
+                                decode_threshold=decode_threshold)
+             for r in range(world_size)]
+    mine, padded = metas[rank], metas[0].num_padded_tokens_per_rank
+    token_start = np.cumsum(scheduled) - scheduled
+    split = scheduled >= max(2, min_split_tokens)
+
+    new_index, new_lens = [], []
+    for req, seq_len, _, _ in _row_spans(mine):
+        new_len = seq_len - int(computed[req])
+        new_index.append(token_start[req] + np.arange(new_len))
+        new_lens.append(new_len)
+
+    # Split rows of every rank whose request has context: read from gathered Q.
+    s_q, s_req, s_kv = [], [], []
+    for q, meta in enumerate(metas):
+        for req, _, lo, hi in _row_spans(meta):
+            if split[req] and computed[req] > 0:
+                s_q.append(q * padded + np.arange(lo, hi))
+                s_req.append(req)
+                s_kv.append(_local_kv(computed[req], rank, world_size, interleave))
+
+    # Replicated rows with context, ordered by request: the same order everywhere.
+    r_q, r_req, r_kv = [], [], []
+    for req, _, lo, hi in sorted(_row_spans(mine)):
+        if not split[req] and computed[req] > 0:
+            r_q.append(np.arange(lo, hi))
+            r_req.append(req)
+            r_kv.append(_local_kv(computed[req], rank, world_size, interleave))
+
+    return DCPAttentionPlan(
+        pcp=mine, dcp_world_size=world_size, dcp_rank=rank, interleave=interleave,
+        new_kv_token_index=torch.from_numpy(
+            np.concatenate(new_index).astype(np.int64) if new_index else np.zeros(0, np.int64)),
+        new_kv_indptr=torch.tensor(np.concatenate([[0], np.cumsum(new_lens)]),
+                                   dtype=torch.int32),
+        ctx_split=_rows(s_q, s_req, s_kv),
+        ctx_replicated=_rows(r_q, r_req, r_kv))
