@@ -51,3 +51,13 @@ class _RankView:
         out = torch.cat(list(g._slots), dim=dim)
         g._barrier.wait()
         return out
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        g, n = self._group, self.world_size
+        block = x.shape[0] // n
+        g._slots[self.rank_in_group] = x
+        g._barrier.wait()
+        r = self.rank_in_group
+        out = torch.cat([g._slots[d][r * block:(r + 1) * block] for d in range(n)])
+        g._barrier.wait()
+        return out

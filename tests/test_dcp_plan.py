@@ -46,3 +46,17 @@ def test_new_part_reads_the_steps_tokens_up_to_each_row_end():
         kv = plan.new_kv_token_index[int(indptr[j]):int(indptr[j + 1])]
         new_len = int(plan.pcp.seq_lens[j]) - COMPUTED[req]
         assert kv.tolist() == list(range(token_start[req], token_start[req] + new_len))
+
+
+def test_paged_kv_layout_lists_each_rows_pages():
+    from vllm_pcp.dcp_attention import _kept, _positions_in, paged_kv_layout
+
+    table = torch.tensor([[7, 8, 9], [3, 4, 5]], dtype=torch.int32)
+    indptr, indices, last = paged_kv_layout(torch.tensor([17, 16]), table, 16)
+    assert indptr.tolist() == [0, 2, 3]
+    assert indices.tolist() == [7, 8, 3] and last.tolist() == [1, 16]
+    plan = build_dcp_plan([5, 40], [1, 64], 4, 3, 8, min_split_tokens=8)
+    # Rank 3 owns none of the 5 context tokens of request 0 (tokens 24..31 are its first).
+    kept, query = _kept(plan.ctx_replicated)
+    assert plan.ctx_replicated.kv_len.tolist() == [0] and len(kept.req) == 0
+    assert _positions_in(torch.tensor([4, 9, 2]), torch.tensor([2, 4])).tolist() == [2, 0]

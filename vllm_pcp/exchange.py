@@ -84,9 +84,18 @@ def gathered_slot_mapping(slot_mapping: torch.Tensor,
 
 def all_to_all(group, x: torch.Tensor) -> torch.Tensor:
     """Block q of ``x`` (``[N * B, ...]``) goes to rank q; returns the N blocks
-    received, from rank 0 first. ``B`` must be the same on every rank."""
+    received, from rank 0 first. ``B`` must be the same on every rank.
+
+    vLLM's GroupCoordinator has no all-to-all: this runs
+    ``torch.distributed.all_to_all_single`` on its ``device_group``. A group
+    object with an ``all_to_all`` method of its own (the tests' thread group)
+    is used as it is.
+    """
     import torch.distributed as dist
 
+    own = getattr(group, "all_to_all", None)
+    if own is not None:
+        return own(x)
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x.contiguous(), group=group.device_group)
     return out

@@ -1,0 +1,84 @@
+"""Run DCPAttention for every rank of a thread group over paged KV shards.
+
+Shared by the CPU test (FlashInfer replaced by the reference kernels) and the
+GPU test (real FlashInfer). Returns each rank's restored output and the
+single-process reference.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from helpers import ThreadGroup
+from vllm_pcp.dcp_attention import DCPAttention
+from vllm_pcp.dcp_plan import build_dcp_plan
+from vllm_pcp.exchange import restore_hidden_states
+from vllm_pcp.kv_shard import dcp_local_offset, dcp_local_seq_len, dcp_owner
+from vllm_pcp.reference import causal_attention
+
+COMPUTED = [0, 37, 0, 5, 0, 60, 21, 300]
+SCHEDULED = [2, 90, 1, 200, 13, 1, 3, 64]
+
+
+def make_batch(hq: int, hkv: int, dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    full = [(torch.randn(c + s, hkv, dim, generator=g), torch.randn(c + s, hkv, dim, generator=g))
+            for c, s in zip(COMPUTED, SCHEDULED)]
+    q = torch.randn(sum(SCHEDULED), hq, dim, generator=g)
+    return full, q
+
+
+def expected_output(full, q):
+    outs, start = [], 0
+    for (k, v), c, s in zip(full, COMPUTED, SCHEDULED):
+        outs.append(causal_attention(q[start:start + s], k, v)[0])
+        start += s
+    return torch.cat(outs)
+
+
+def _paged_shard(full, rank, world, interleave, page_size, device, dtype):
+    """This rank's owned tokens of every request in a paged cache, and its block table."""
+    caps = [int(dcp_local_seq_len(torch.tensor(len(k)), rank, world, interleave))
+            for k, _ in full]
+    pages = [(c + page_size - 1) // page_size for c in caps]
+    hkv, dim = full[0][0].shape[1:]
+    k_cache = torch.zeros(sum(pages) + 1, page_size, hkv, dim)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.zeros(len(full), max(pages), dtype=torch.int32)
+    nxt = 1  # page 0 stays unused, as vLLM's null block
+    for req, (k, v) in enumerate(full):
+        table[req, : pages[req]] = torch.arange(nxt, nxt + pages[req])
+        nxt += pages[req]
+        pos = torch.arange(len(k))
+        mine = dcp_owner(pos, world, interleave) == rank
+        off = dcp_local_offset(pos[mine], world, interleave)
+        page, slot = table[req, off // page_size].long(), off % page_size
+        k_cache[page, slot], v_cache[page, slot] = k[mine], v[mine]
+    return (k_cache.to(device, dtype), v_cache.to(device, dtype)), table.to(device)
+
+
+def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
+                 page_size=16):
+    full, q = make_batch(hq, hkv, dim, seed=world * 100 + interleave)
+    token_start = torch.tensor([0, *SCHEDULED]).cumsum(0)
+    k_step = torch.cat([k[c:] for (k, _), c in zip(full, COMPUTED)]).to(device, dtype)
+    v_step = torch.cat([v[c:] for (_, v), c in zip(full, COMPUTED)]).to(device, dtype)
+    assert k_step.shape[0] == int(token_start[-1])
+    group = ThreadGroup(world)
+
+    def rank_fn(rank):
+        plan = build_dcp_plan(COMPUTED, SCHEDULED, world, rank, interleave,
+                              min_split_tokens=min_split)
+        cache, table = _paged_shard(full, rank, world, interleave, page_size, device, dtype)
+        workspace = torch.empty(64 * 1024 * 1024, dtype=torch.uint8, device=device)
+        attn = DCPAttention(workspace, hq, hkv, dim, page_size, dtype, 1 / math.sqrt(dim))
+        attn.plan(plan, table)
+        local = plan.pcp.local_token_indices.to(device)
+        out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_step, v_step, cache)
+        restored = restore_hidden_states(group.rank(rank), out.reshape(out.shape[0], -1),
+                                         plan.pcp.num_padded_tokens_per_rank,
+                                         plan.pcp.restore_indices.to(device))
+        return restored.reshape(-1, hq, dim).float().cpu()
+
+    return group.run(rank_fn), expected_output(full, q)

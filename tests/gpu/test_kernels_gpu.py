@@ -1,0 +1,74 @@
+"""FlashInfer kernels as vllm-pcp drives them, against the plain-torch reference (GPU only).
+
+    python -m pytest -q tests/gpu            # on a CUDA machine with vLLM installed
+
+1. PCP (DCP = 1): local chunk rows over a paged cache holding the whole prefix,
+   ``causal=True`` (bottom-right) -- exact without a custom mask.
+2. PCP x DCP: DCPAttention over paged shards of 2 and 4 ranks (threads on one GPU).
+"""
+import math
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOL = dict(atol=3e-2, rtol=3e-2)  # bf16 inputs
+
+
+def test_chunk_rows_with_bottom_right_causal_mask():
+    import flashinfer
+
+    from vllm_pcp.partition import build_pcp_metadata
+    from vllm_pcp.reference import rank_prefill_attention
+
+    hq, hkv, dim, page = 16, 2, 128, 16
+    computed, scheduled = [0, 300, 7], [1000, 517, 1]
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(c + s, hkv, dim, generator=g), torch.randn(c + s, hkv, dim, generator=g))
+          for c, s in zip(computed, scheduled)]
+    q_all = torch.randn(sum(scheduled), hq, dim, generator=g)
+    pages = [(len(k) + page - 1) // page for k, _ in kv]
+    k_cache = torch.zeros(sum(pages), page, hkv, dim)
+    v_cache = torch.zeros_like(k_cache)
+    table, nxt = [], 0
+    for (k, v), n in zip(kv, pages):
+        ids = torch.arange(nxt, nxt + n)
+        nxt += n
+        flat = torch.zeros(n * page, hkv, dim)
+        flat[: len(k)] = k
+        k_cache[ids] = flat.view(n, page, hkv, dim)
+        flat = torch.zeros(n * page, hkv, dim)
+        flat[: len(v)] = v
+        v_cache[ids] = flat.view(n, page, hkv, dim)
+        table.append(ids)
+    for rank in range(2):
+        meta = build_pcp_metadata(computed, scheduled, 2, rank)
+        rows = meta.row_req_indices.long()
+        n_pages = (meta.seq_lens + page - 1) // page
+        indices = torch.cat([table[r][:n] for r, n in zip(rows.tolist(), n_pages.tolist())])
+        indptr = torch.cat([torch.zeros(1, dtype=torch.int64), n_pages.cumsum(0)])
+        last = meta.seq_lens - (n_pages - 1) * page
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
+        wrapper.plan(meta.query_start_loc.cuda(), indptr.int().cuda(), indices.int().cuda(),
+                     last.int().cuda(), hq, hkv, dim, page, causal=True,
+                     sm_scale=1 / math.sqrt(dim), q_data_type=torch.bfloat16,
+                     kv_data_type=torch.bfloat16)
+        q_local = q_all[meta.local_token_indices]
+        out = wrapper.run(q_local.cuda().bfloat16(),
+                          (k_cache.cuda().bfloat16(), v_cache.cuda().bfloat16()))
+        ref = rank_prefill_attention(q_local, kv, meta.query_start_loc, meta.seq_lens,
+                                     meta.row_req_indices)
+        torch.testing.assert_close(out.float().cpu(), ref, **TOL)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
+@pytest.mark.parametrize("min_split", [2, 16])
+def test_dcp_attention_on_flashinfer(world, interleave, min_split):
+    from dcp_harness import run_dcp_step
+
+    outs, expect = run_dcp_step(world, interleave, min_split, "cuda", torch.bfloat16)
+    for out in outs:
+        torch.testing.assert_close(out, expect, **TOL)

@@ -1,0 +1,154 @@
+"""FlashInfer execution of a :class:`vllm_pcp.dcp_plan.DCPAttentionPlan` (GPU).
+
+Plan once per step on the CPU plan's tensors, run per layer. Three FlashInfer
+calls, mirroring :func:`vllm_pcp.reference.pcp_dcp_rank_attention`:
+
+    new part        BatchPrefillWithRaggedKVCacheWrapper, causal, over this
+                    step's gathered K/V (rows of the request up to the row end)
+    split context   BatchPrefillWithPagedKVCacheWrapper, non-causal, all ranks'
+                    split queries over this rank's shard -> all-to-all
+    replicated ctx  the same kernel over this rank's own copies -> all-gather
+    merge           flashinfer.merge_states / merge_state, base-2 LSE
+
+This rank's shard is a plain paged sequence: local token o lives at
+``block_table[o // page_size]``, slot ``o % page_size`` (vLLM's DCP slot
+mapping), and a request keeps ``dcp_local_seq_len`` of its tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_pcp.dcp_plan import AttentionRows, DCPAttentionPlan
+from vllm_pcp.exchange import all_to_all
+
+
+def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
+                    page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's paged-KV arguments for rows of ``kv_len`` local tokens.
+
+    ``block_table`` is ``[R, max_pages]`` (one row per attention row). Returns
+    ``indptr [R + 1]``, ``indices [sum pages]`` and ``last_page_len [R]``, int32.
+    """
+    pages = (kv_len + page_size - 1) // page_size
+    indptr = torch.zeros(len(kv_len) + 1, dtype=torch.int32, device=kv_len.device)
+    indptr[1:] = torch.cumsum(pages, 0)
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    indices = block_table[cols.unsqueeze(0) < pages.to(block_table.device).unsqueeze(1)]
+    last = kv_len - (pages - 1).clamp(min=0) * page_size
+    return indptr, indices.to(torch.int32), last.to(torch.int32)
+
+
+def _kept(rows: AttentionRows) -> tuple[AttentionRows, torch.Tensor]:
+    """Rows with keys, and the query-buffer rows they cover (kv_len 0 rows dropped)."""
+    keep = rows.kv_len > 0
+    lens = (rows.qo_indptr[1:] - rows.qo_indptr[:-1])[keep]
+    per_token = torch.repeat_interleave(keep, rows.qo_indptr[1:] - rows.qo_indptr[:-1])
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(lens, 0)
+    kept = AttentionRows(rows.query_index[per_token], indptr, rows.req[keep], rows.kv_len[keep])
+    return kept, kept.query_index
+
+
+class DCPAttention:
+    """One step's FlashInfer wrappers for PCP x DCP attention on one rank."""
+
+    def __init__(self, workspace: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+                 head_dim: int, page_size: int, dtype: torch.dtype, sm_scale: float,
+                 kv_layout: str = "NHD"):
+        import flashinfer
+
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.page_size, self.dtype, self.sm_scale = page_size, dtype, sm_scale
+        self._new = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        self._split = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout)
+        self._rep = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout)
+
+    def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor) -> None:
+        """``block_table``: ``[num_reqs, max_pages]`` int32 on the GPU."""
+        dev = block_table.device
+        hq, hkv, dim = self.heads
+        self.plan_ = plan
+        self.new_kv_index = plan.new_kv_token_index.to(dev, non_blocking=True)
+        self._new.plan(plan.pcp.query_start_loc.to(dev), plan.new_kv_indptr.to(dev),
+                       hq, hkv, dim, causal=True, sm_scale=self.sm_scale,
+                       q_data_type=self.dtype, kv_data_type=self.dtype)
+        self.split_rows, self.split_query = self._plan_paged(self._split, plan.ctx_split,
+                                                             block_table)
+        self.rep_rows, self.rep_query = self._plan_paged(self._rep, plan.ctx_replicated,
+                                                         block_table)
+
+    def _plan_paged(self, wrapper, rows: AttentionRows, block_table: torch.Tensor):
+        kept, query = _kept(rows)
+        if len(kept.req) == 0:
+            return kept, None
+        dev = block_table.device
+        hq, hkv, dim = self.heads
+        table = block_table.index_select(0, kept.req.to(dev, dtype=torch.int64))
+        indptr, indices, last = paged_kv_layout(kept.kv_len.to(dev), table, self.page_size)
+        wrapper.plan(kept.qo_indptr.to(dev), indptr, indices, last, hq, hkv, dim,
+                     self.page_size, causal=False, sm_scale=self.sm_scale,
+                     q_data_type=self.dtype, kv_data_type=self.dtype)
+        return kept, query.to(dev)
+
+    def run(self, group, q_local: torch.Tensor, k_step: torch.Tensor, v_step: torch.Tensor,
+            kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``q_local [L, Hq, D]``, ``k_step/v_step [T, Hkv, D]`` (step order),
+        ``kv_cache`` this rank's paged (K, V) in ``kv_layout``. Returns ``[L, Hq, D]``."""
+        import flashinfer
+
+        pcp, n = self.plan_.pcp, group.world_size
+        padded, num_local = pcp.num_padded_tokens_per_rank, q_local.shape[0]
+        out, lse = self._new.run(q_local, k_step.index_select(0, self.new_kv_index),
+                                 v_step.index_select(0, self.new_kv_index), return_lse=True)
+
+        # Split rows: every rank's queries against this rank's shard, back to owners.
+        q_pad = q_local.new_zeros((padded, *q_local.shape[1:]))
+        q_pad[:num_local] = q_local
+        q_all = group.all_gather(q_pad, dim=0)
+        part_out = q_local.new_zeros((n * padded, *q_local.shape[1:]))
+        part_lse = torch.full((n * padded, q_local.shape[1]), float("-inf"),
+                              device=q_local.device)
+        if self.split_query is not None:
+            o, s = self._split.run(q_all.index_select(0, self.split_query), kv_cache,
+                                   return_lse=True)
+            part_out[self.split_query], part_lse[self.split_query] = o, s
+        recv_out, recv_lse = all_to_all(group, part_out), all_to_all(group, part_lse)
+        mine = self._owned_split_tokens(group)
+        if mine is not None:
+            ctx_o, ctx_s = flashinfer.merge_states(
+                recv_out.view(n, padded, *q_local.shape[1:])[:, mine].transpose(0, 1).contiguous(),
+                recv_lse.view(n, padded, -1)[:, mine].transpose(0, 1).contiguous())
+            out[mine], lse[mine] = flashinfer.merge_state(ctx_o, ctx_s, out[mine], lse[mine])
+
+        # Replicated rows: every rank holds the same queries; gather the partials.
+        rep_index = self.plan_.ctx_replicated.query_index.to(q_local.device)
+        if len(rep_index):
+            rep_out = q_local.new_zeros((len(rep_index), *q_local.shape[1:]))
+            rep_lse = torch.full((len(rep_index), q_local.shape[1]), float("-inf"),
+                                 device=q_local.device)
+            if self.rep_query is not None:
+                o, s = self._rep.run(q_local.index_select(0, self.rep_query), kv_cache,
+                                     return_lse=True)
+                slot = _positions_in(rep_index, self.rep_query)
+                rep_out[slot], rep_lse[slot] = o, s
+            ctx_o, ctx_s = flashinfer.merge_states(
+                group.all_gather(rep_out.unsqueeze(1), dim=1),
+                group.all_gather(rep_lse.unsqueeze(1), dim=1))
+            out[rep_index], lse[rep_index] = flashinfer.merge_state(
+                ctx_o, ctx_s, out[rep_index], lse[rep_index])
+        return out
+
+    def _owned_split_tokens(self, group) -> torch.Tensor | None:
+        """Local positions of this rank's split-row queries that have context."""
+        rank, padded = self.plan_.dcp_rank, self.plan_.pcp.num_padded_tokens_per_rank
+        index = self.plan_.ctx_split.query_index
+        mine = index[(index >= rank * padded) & (index < (rank + 1) * padded)] - rank * padded
+        return mine.to(self.new_kv_index.device) if len(mine) else None
+
+
+def _positions_in(haystack: torch.Tensor, needles: torch.Tensor) -> torch.Tensor:
+    """Position in ``haystack`` (distinct values) of each value of ``needles``."""
+    lookup = torch.full((int(haystack.max()) + 1,), -1, dtype=torch.int64,
+                        device=haystack.device)
+    lookup[haystack] = torch.arange(len(haystack), device=haystack.device)
+    return lookup[needles]
