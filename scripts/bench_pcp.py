@@ -124,14 +124,22 @@ def _versions() -> dict:
 
 
 def report(args) -> None:
-    """Write ttft.json, itl.json and ttft.png from one raw run."""
-    from bench_report import write_reports
+    """Write ttft.json, itl.json and ttft.png from one raw run; serve.json from
+    the ``vllm bench serve`` results of scripts/bench_serve.sh if given."""
+    import glob
+
+    from bench_report import serve_rows, write_reports
 
     with open(args.raw) as f:
         raw = json.load(f)
     meta = {"git_rev": args.git_rev, "command": args.command, **raw["versions"],
             "date": datetime.date.today().isoformat(), "enforce_eager": raw["eager"]}
     print(json.dumps(write_reports(raw, meta, args.out_dir), indent=1))
+    if args.serve_dir:
+        rows = serve_rows(glob.glob(os.path.join(args.serve_dir, "*-c*.json")))
+        with open(os.path.join(args.out_dir, "serve.json"), "w") as f:
+            json.dump({"meta": {**meta, "command": args.serve_command}, "rows": rows}, f,
+                      indent=1)
 
 
 def main() -> None:
@@ -156,6 +164,8 @@ def main() -> None:
     p.add_argument("--git-rev", required=True)
     p.add_argument("--command", required=True)
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--serve-dir", help="folder of scripts/bench_serve.sh results")
+    p.add_argument("--serve-command", default="", help="how the serve results were made")
     args = ap.parse_args()
     {"run": run, "measure": measure, "report": report}[args.cmd](args)
 

@@ -59,6 +59,24 @@ def plot(ttft_rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+SERVE_KEYS = [f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl")
+              for stat in ("mean", "p50", "p90", "p99")]
+
+
+def serve_rows(result_files: list[str]) -> list[dict]:
+    """One row per ``vllm bench serve`` result file named ``CONFIG-cN.json``."""
+    rows = []
+    for path in sorted(result_files):
+        name = os.path.basename(path).removesuffix(".json")
+        config, _, conc = name.rpartition("-c")
+        with open(path) as f:
+            res = json.load(f)
+        rows.append({"config": config, "max_concurrency": int(conc),
+                     "num_prompts": res.get("num_prompts"),
+                     **{k: res[k] for k in SERVE_KEYS if k in res}})
+    return rows
+
+
 def write_reports(raw: dict, meta: dict, out_dir: str) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     ttft, itl = _ttft_rows(raw), _itl_rows(raw)

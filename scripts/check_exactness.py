@@ -62,35 +62,64 @@ def _model_dir(name: str, models_dir: str) -> str:
     return SHARED_MODELS.get(name) or os.path.join(models_dir, name)
 
 
+def _run_one(args, tmp: str, model: str, variant: str, config: str, env: dict) -> dict:
+    out = os.path.join(tmp, f"{model}-{variant}-{config}.json")
+    cmd = [sys.executable, os.path.join(HERE, "exactness_worker.py"),
+           "--model", _model_dir(model, args.models_dir), "--variant", variant,
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--out", out, *CONFIGS[config]]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    entry = {"model": model, "variant": variant, "config": config,
+             "returncode": proc.returncode, "seconds": round(time.perf_counter() - start, 1)}
+    if proc.returncode == 0:
+        with open(out) as f:
+            entry["results"] = json.load(f)["results"]
+    else:
+        entry["log_tail"] = (proc.stdout + proc.stderr)[-6000:]
+    print(f"{model} {variant} {config}: rc={proc.returncode} {entry['seconds']} s", flush=True)
+    return entry
+
+
 def run(args) -> None:
+    """One engine per (model, variant, config). With ``--overlap`` the one-GPU
+    configurations run on the last GPU while the others run, two lanes at once."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     raw = {"versions": _versions(), "runs": []}
     tmp = f"/tmp/exactness-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
-    for model in args.models.split(","):
-        for variant in args.variants.split(","):
-            for config in args.configs.split(","):
-                out = os.path.join(tmp, f"{model}-{variant}-{config}.json")
-                cmd = [sys.executable, os.path.join(HERE, "exactness_worker.py"),
-                       "--model", _model_dir(model, args.models_dir), "--variant", variant,
-                       "--out", out, *CONFIGS[config]]
-                start = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                entry = {"model": model, "variant": variant, "config": config,
-                         "returncode": proc.returncode,
-                         "seconds": round(time.perf_counter() - start, 1)}
-                if proc.returncode == 0:
-                    with open(out) as f:
-                        entry["results"] = json.load(f)["results"]
-                else:
-                    entry["log_tail"] = (proc.stdout + proc.stderr)[-6000:]
-                print(f"{model} {variant} {config}: rc={proc.returncode} "
-                      f"{entry['seconds']} s", flush=True)
+    jobs = [(m, v, c) for m in args.models.split(",") for v in args.variants.split(",")
+            for c in args.configs.split(",")]
+    one_gpu = {c for c in CONFIGS if CONFIGS[c][:2] == ["--pcp", "1"]}
+    lanes = ([[j for j in jobs if j[2] in one_gpu], [j for j in jobs if j[2] not in one_gpu]]
+             if args.overlap else [jobs])
+    last_gpu = str(max(0, _gpu_count() - 1))
+    lock, failed = threading.Lock(), threading.Event()
+
+    def lane(lane_jobs, env):
+        for job in lane_jobs:
+            if failed.is_set():
+                return
+            entry = _run_one(args, tmp, *job, env)
+            with lock:
                 raw["runs"].append(entry)
                 with open(args.raw, "w") as f:
                     json.dump(raw, f)
-                if proc.returncode and args.fail_fast:
-                    print(entry["log_tail"])
-                    return
+            if entry["returncode"] and args.fail_fast:
+                print(entry["log_tail"])
+                failed.set()
+
+    with ThreadPoolExecutor(len(lanes)) as pool:
+        envs = [{"CUDA_VISIBLE_DEVICES": last_gpu}, {}] if args.overlap else [{}]
+        list(pool.map(lane, lanes, envs))
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _versions() -> dict:
@@ -167,6 +196,9 @@ def main() -> None:
     r.add_argument("--configs", default="pcp1,pcp2")
     r.add_argument("--raw", required=True)
     r.add_argument("--fail-fast", action="store_true")
+    r.add_argument("--overlap", action="store_true",
+                   help="run one-GPU configurations on the last GPU beside the others")
+    r.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     c = sub.add_parser("compare")
     c.add_argument("--raw", nargs="+", required=True)
     c.add_argument("--git-rev", required=True)

@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="FLASHINFER",
                     help="the same kernel on both sides of a comparison; PCP runs on "
                          "FLASHINFER, while vLLM picks FLASH_ATTN for PCP = 1 on Hopper")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -81,7 +82,7 @@ def main() -> None:
               prefill_context_parallel_size=args.pcp, tensor_parallel_size=args.tp,
               enforce_eager=not args.cuda_graphs, max_model_len=max_model_len,
               max_num_batched_tokens=VARIANTS[args.variant] or max_model_len,
-              max_num_seqs=16, gpu_memory_utilization=0.85, seed=0,
+              max_num_seqs=16, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
               enable_prefix_caching=True, attention_backend=args.attention_backend)
     cases = build_cases(max_model_len - MAX_TOKENS - 8, hf["vocab_size"])
     results = run_cases(llm, cases)

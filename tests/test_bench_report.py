@@ -43,3 +43,15 @@ def test_gsm8k_task_mirrors_lm_eval_and_takes_a_data_dir():
     assert task["dataset_path"] == "json" and task["num_fewshot"] == 5
     assert task["dataset_kwargs"]["data_files"]["test"] == "@DATA_DIR@/test.jsonl"
     assert [f["name"] for f in task["filter_list"]] == ["strict-match", "flexible-extract"]
+
+
+def test_serve_rows_read_vllm_bench_results(tmp_path):
+    for conc, ttft in ((4, 120.5), (16, 410.0)):
+        json.dump({"num_prompts": 32, "p99_ttft_ms": ttft, "mean_itl_ms": 9.5, "extra": 1},
+                  open(tmp_path / f"pcp2-c{conc}.json", "w"))
+    rows = bench_report.serve_rows([str(p) for p in tmp_path.glob("*.json")])
+    assert rows == [
+        {"config": "pcp2", "max_concurrency": 16, "num_prompts": 32, "p99_ttft_ms": 410.0,
+         "mean_itl_ms": 9.5},
+        {"config": "pcp2", "max_concurrency": 4, "num_prompts": 32, "p99_ttft_ms": 120.5,
+         "mean_itl_ms": 9.5}]

@@ -38,3 +38,24 @@ def test_cases_fit_the_model_length():
     prefix = next(c for c in cases if c["case"] == "prefix_hit")["prompts"]
     shared = len(prefix[0]) * 5 // 6
     assert prefix[1][:shared] == prefix[0][:shared]
+
+
+def test_overlap_puts_one_gpu_configs_on_the_last_gpu(tmp_path, monkeypatch):
+    import json
+    from types import SimpleNamespace
+
+    import check_exactness as ce
+
+    seen = []
+    monkeypatch.setattr(ce, "_versions", lambda: {"gpu": "2 x test"})
+    monkeypatch.setattr(ce, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(ce, "_run_one", lambda args, tmp, m, v, c, env: seen.append(
+        (m, v, c, env.get("CUDA_VISIBLE_DEVICES"))) or {"model": m, "variant": v,
+                                                         "config": c, "returncode": 0})
+    raw = tmp_path / "raw.json"
+    args = SimpleNamespace(models="a,b", variants="chunked", configs="pcp1,pcp2",
+                           overlap=True, fail_fast=False, raw=str(raw))
+    ce.run(args)
+    assert sorted(seen) == [("a", "chunked", "pcp1", "1"), ("a", "chunked", "pcp2", None),
+                            ("b", "chunked", "pcp1", "1"), ("b", "chunked", "pcp2", None)]
+    assert len(json.load(open(raw))["runs"]) == 4
