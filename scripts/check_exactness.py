@@ -31,8 +31,12 @@ from exactness_lib import compare_outputs  # noqa: E402
 CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
            "pcp1-graphs": ["--pcp", "1", "--cuda-graphs"],
            "pcp2-graphs": ["--pcp", "2", "--cuda-graphs"],
-           "tp2": ["--tp", "2"]}
-BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp2-graphs": "pcp1-graphs"}
+           "pcp2-ray": ["--pcp", "2", "--ray"],
+           "tp2": ["--tp", "2"],
+           **{f"pcp2-dcp2-i{i}": ["--pcp", "2", "--dcp", "2", "--interleave", str(i)]
+              for i in (1, 8, 16)}}
+BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
+            **{f"pcp2-dcp2-i{i}": "pcp1" for i in (1, 8, 16)}}
 SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
                  "qwen2.5-coder-0.5b": "/tmp/models/qwen2.5-coder-0.5b"}
 
@@ -67,6 +71,7 @@ def _run_one(args, tmp: str, model: str, variant: str, config: str, env: dict) -
     cmd = [sys.executable, os.path.join(HERE, "exactness_worker.py"),
            "--model", _model_dir(model, args.models_dir), "--variant", variant,
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--max-tokens", str(args.max_tokens),
            "--out", out, *CONFIGS[config]]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
@@ -199,6 +204,7 @@ def main() -> None:
     r.add_argument("--overlap", action="store_true",
                    help="run one-GPU configurations on the last GPU beside the others")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    r.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     c = sub.add_parser("compare")
     c.add_argument("--raw", nargs="+", required=True)
     c.add_argument("--git-rev", required=True)

@@ -36,10 +36,10 @@ def _run_arrival(llm, prompts, params) -> list[dict]:
     return [_record(done[name].outputs[0]) for name in ("short", "long")]
 
 
-def run_cases(llm, cases) -> list[dict]:
+def run_cases(llm, cases, max_tokens: int = MAX_TOKENS) -> list[dict]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5,
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5,
                             ignore_eos=True)
     results = []
     for case in cases:
@@ -65,6 +65,10 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="unchunked")
     ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--ray", action="store_true", help="Ray as the distributed executor")
+    ap.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
+    ap.add_argument("--interleave", type=int, default=1, help="--cp-kv-cache-interleave-size")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--attention-backend", default="FLASHINFER",
                     help="the same kernel on both sides of a comparison; PCP runs on "
                          "FLASHINFER, while vLLM picks FLASH_ATTN for PCP = 1 on Hopper")
@@ -76,20 +80,25 @@ def main() -> None:
 
     with open(os.path.join(args.model, "config.json")) as f:
         hf = json.load(f)
-    max_model_len = min(hf["max_position_embeddings"], 32768 + 2 * MAX_TOKENS)
+    max_model_len = min(hf["max_position_embeddings"], 32768 + 2 * args.max_tokens)
     has_tokenizer = os.path.exists(os.path.join(args.model, "tokenizer.json"))
     llm = LLM(model=args.model, skip_tokenizer_init=not has_tokenizer, dtype="bfloat16",
               prefill_context_parallel_size=args.pcp, tensor_parallel_size=args.tp,
               enforce_eager=not args.cuda_graphs, max_model_len=max_model_len,
               max_num_batched_tokens=VARIANTS[args.variant] or max_model_len,
               max_num_seqs=16, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
-              enable_prefix_caching=True, attention_backend=args.attention_backend)
-    cases = build_cases(max_model_len - MAX_TOKENS - 8, hf["vocab_size"])
-    results = run_cases(llm, cases)
+              enable_prefix_caching=True, attention_backend=args.attention_backend,
+              distributed_executor_backend="ray" if args.ray else None,
+              decode_context_parallel_size=args.dcp,
+              cp_kv_cache_interleave_size=args.interleave,
+              additional_config={"pcp_unverified_dcp": True} if args.dcp > 1 else {})
+    cases = build_cases(max_model_len - args.max_tokens - 8, hf["vocab_size"])
+    results = run_cases(llm, cases, args.max_tokens)
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "pcp": args.pcp, "tp": args.tp,
                    "variant": args.variant, "cuda_graphs": args.cuda_graphs,
-                   "attention_backend": args.attention_backend,
+                   "attention_backend": args.attention_backend, "ray": args.ray,
+                   "dcp": args.dcp, "interleave": args.interleave,
                    "results": results}, f)
 
 

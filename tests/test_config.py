@@ -9,7 +9,7 @@ from vllm_pcp.config import WORKER_CLS, PCPConfigError, PCPKnobs, prepare_pcp_co
 def _config(pcp=2, **over):
     parallel = dict(prefill_context_parallel_size=pcp, data_parallel_size=1,
                     pipeline_parallel_size=1, decode_context_parallel_size=1,
-                    worker_cls="vllm.v1.worker.gpu_worker.Worker")
+                    worker_cls="vllm.v1.worker.gpu_worker.Worker", dcp_comm_backend="ag_rs")
     model = dict(use_mla=False, is_multimodal_model=False, enable_prompt_embeds=False,
                  model="m")
     for key in list(over):
@@ -22,6 +22,8 @@ def _config(pcp=2, **over):
         speculative_config=over.pop("speculative_config", None),
         lora_config=over.pop("lora_config", None),
         attention_config=SimpleNamespace(backend=over.pop("backend", None)),
+        cache_config=SimpleNamespace(cache_dtype=over.pop("cache_dtype", "auto")),
+        compilation_config=SimpleNamespace(cudagraph_mode=over.pop("cudagraph_mode", None)),
         additional_config=over.pop("additional_config", {}))
 
 
@@ -41,7 +43,11 @@ def test_pcp1_and_mla_are_left_to_vllm(cfg):
 @pytest.mark.parametrize("over,flag", [
     (dict(data_parallel_size=2), "--data-parallel-size"),
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
-    (dict(decode_context_parallel_size=2), "--decode-context-parallel-size"),
+    (dict(decode_context_parallel_size=2), "not yet verified on GPUs"),
+    (dict(decode_context_parallel_size=4), "it must be 1 or 2"),
+    (dict(decode_context_parallel_size=2, dcp_comm_backend="a2a",
+          additional_config={"pcp_unverified_dcp": True}), "--dcp-comm-backend a2a"),
+    (dict(additional_config={"pcp_unverified_dcp": "yes"}), "pcp_unverified_dcp"),
     (dict(speculative_config=object()), "--speculative-config"),
     (dict(lora_config=object()), "--enable-lora"),
     (dict(is_multimodal_model=True), "multimodal"),
@@ -74,3 +80,20 @@ def test_knobs():
     for bad in ("8", 1.5, True, -3):
         with pytest.raises(PCPConfigError):
             PCPKnobs.from_additional_config({"pcp_min_split_tokens": bad})
+
+
+def test_dcp_equal_to_pcp_is_taken_without_cuda_graphs():
+    from vllm.config import CUDAGraphMode
+
+    cfg = _config(decode_context_parallel_size=2,
+                  cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                  additional_config={"pcp_unverified_dcp": True})
+    assert prepare_pcp_config(cfg)
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+
+
+def test_dcp_refuses_quantized_kv_cache():
+    cfg = _config(decode_context_parallel_size=2, cache_dtype="fp8",
+                  additional_config={"pcp_unverified_dcp": True})
+    with pytest.raises(PCPConfigError, match="--kv-cache-dtype fp8"):
+        prepare_pcp_config(cfg)

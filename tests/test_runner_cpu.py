@@ -28,6 +28,9 @@ class _RecordingBuilder(PCPFlashInferMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         return SimpleNamespace(cm=common_attn_metadata)
 
+    def build_dcp(self, plan, block_table, exchange):
+        return SimpleNamespace(plan=plan, block_table=block_table, pcp_exchange=exchange)
+
 
 def _global_positions():
     return torch.cat([c + torch.arange(s) for c, s in zip(COMPUTED, SCHEDULED)])
@@ -40,6 +43,7 @@ def _make_runner(group, rank):
     r.pcp_world_size, r.pcp_rank = group.world_size, rank
     r.pcp_min_split_tokens = 2 * group.world_size
     r.reorder_batch_threshold = 1
+    r.pcp_dcp, r.cp_kv_cache_interleave_size = False, 1
     r._pcp_plan = r._pcp_step = None
     table = SimpleNamespace(get_device_tensor=lambda n: BLOCKS[:n])
     r.input_batch = SimpleNamespace(num_reqs=len(SCHEDULED), block_table=[table],
@@ -200,3 +204,99 @@ def test_prepare_inputs_skips_planning_without_a_split(monkeypatch):
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))  # all below 2N = 4
     assert runner._pcp_plan is None
+
+
+def test_dcp_steps_plan_every_step_with_the_sharded_layout(monkeypatch):
+    runner = _make_runner(ThreadGroup(2), 1)
+    runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
+    runner._prepare_inputs(None, np.array([1, 1, 1, 1], np.int32))  # decodes only
+    plan = runner._pcp_plan
+    assert plan.dcp_rank == 1 and plan.interleave == 8
+    # vLLM's DCP slot mapping: -1 where another rank owns the token.
+    slots = _global_slots().clone()
+    slots[::2] = -1
+    metadata = runner._build_attention_metadata(slot_mappings={0: slots})[0]
+    md = metadata["l0"]
+    assert md.plan is plan and torch.equal(md.block_table, BLOCKS[:4])
+    assert torch.equal(md.pcp_exchange.restore_indices, plan.pcp.restore_indices)
+    gathered = runner._pcp_step.slot_mapping_by_layer["l0"]
+    idx = plan.pcp.gathered_token_indices
+    assert torch.equal(gathered[idx >= 0], slots[idx[idx >= 0]])
+
+
+def test_dcp_kv_update_keeps_the_step_kv_for_attention(monkeypatch):
+    group = ThreadGroup(2)
+    monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update", lambda *a: None)
+    monkeypatch.setattr(backend_mod, "_current_exchange", lambda layer: layer.exchange)
+    plans = [build_pcp_metadata(COMPUTED, SCHEDULED, 2, r, min_split_tokens=4) for r in range(2)]
+    k_all = torch.randn(sum(SCHEDULED), 1, 4)
+
+    def rank_fn(rank):
+        ex = PCPKVExchange(group.rank(rank), plans[0].num_padded_tokens_per_rank,
+                           restore_indices=plans[0].restore_indices)
+        local = plans[rank].local_token_indices
+        object.__new__(PCPFlashInferImpl).do_kv_cache_update(
+            SimpleNamespace(exchange=ex), k_all[local], -k_all[local], None, None)
+        return ex.step_kv
+
+    for k_step, v_step in group.run(rank_fn):
+        assert torch.equal(k_step, k_all) and torch.equal(v_step, -k_all)
+
+
+def test_dcp_forward_runs_the_planned_attention(monkeypatch):
+    from vllm_pcp.backend import PCPDCPMetadata
+
+    calls = []
+
+    class FakeAttention:
+        def run(self, group, q, k, v, cache):
+            calls.append((group, q.shape, k, cache[0].shape))
+            return q * 2
+
+    monkeypatch.setattr(backend_mod.FlashInferBackend, "get_kv_cache_stride_order",
+                        staticmethod(lambda: (0, 2, 1, 3)))
+    impl = object.__new__(PCPFlashInferImpl)
+    impl.head_size, impl.dcp_world_size, impl.pcp_world_size = 4, 2, 2
+    ex = PCPKVExchange("group", 8, step_kv=("k", "v"))
+    md = PCPDCPMetadata(FakeAttention(), ex, num_local_tokens=3)
+    query = torch.randn(5, 2, 4)
+    output = torch.zeros(5, 2, 4)
+    kv_cache = torch.zeros(6, 1, 16, 8)  # (blocks, kv heads, block size, 2 * head size)
+    assert impl.forward(None, query, None, None, kv_cache, md, output) is output
+    torch.testing.assert_close(output[:3], query[:3] * 2)
+    assert (output[3:] == 0).all()
+    assert calls == [("group", (3, 2, 4), "k", (6, 16, 1, 4))]
+    # Any other metadata under PCP x DCP is a warm-up run: zeros, no stock DCP path.
+    output.fill_(1)
+    impl.forward(None, query, None, None, kv_cache, SimpleNamespace(), output)
+    assert (output == 0).all()
+
+
+def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
+    import vllm_pcp.dcp_attention as dcp_mod
+
+    made = []
+
+    class FakeDCPAttention:
+        def __init__(self, *args):
+            made.append(args)
+
+        def plan(self, plan, table):
+            self.planned = (plan, table)
+
+    import vllm.v1.attention.backends.utils as vllm_utils
+
+    monkeypatch.setattr(dcp_mod, "DCPAttention", FakeDCPAttention)
+    monkeypatch.setattr(vllm_utils, "get_kv_cache_layout", lambda: "HND")
+    builder = object.__new__(PCPFlashInferMetadataBuilder)
+    builder._get_workspace_buffer = lambda: "ws"
+    builder.num_qo_heads, builder.num_kv_heads, builder.head_dim = 8, 2, 64
+    builder.page_size, builder.q_data_type_prefill = 16, torch.bfloat16
+    builder.global_hyperparameters = SimpleNamespace(sm_scale=0.125)
+    plan = SimpleNamespace(pcp=SimpleNamespace(num_local_tokens=7))
+    first = builder.build_dcp(plan, "table", "exchange")
+    second = builder.build_dcp(plan, "table2", "exchange")
+    assert made == [("ws", 8, 2, 64, 16, torch.bfloat16, 0.125, "HND")]
+    assert first.attention is second.attention and second.attention.planned == (plan, "table2")
+    assert second.num_local_tokens == 7 and second.pcp_exchange == "exchange"

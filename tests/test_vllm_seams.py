@@ -105,3 +105,37 @@ def test_pcp_gate_reads_the_impl_flag():
 
     assert PCPFlashInferBackend.supports_pcp()
     assert PCPFlashInferBackend.get_name() == "FLASHINFER"
+
+
+def test_patched_model_config_check_has_the_0_26_shape():
+    from vllm.config.model import ModelConfig
+
+    original = ModelConfig.verify_with_parallel_config
+    original = getattr(original, "__wrapped__", original)
+    assert _params(original) == ["self", "parallel_config"]
+    source = inspect.getsource(original)
+    assert "decode_context_parallel_size > 1 and not self.use_mla" in source
+    assert "assert tensor_parallel_size > total_num_kv_heads" in source
+
+
+def test_model_config_wrapper_hides_dcp_only_when_it_spans_pcp():
+    from types import SimpleNamespace
+
+    from vllm_pcp import patch_model_config_dcp
+
+    seen = []
+
+    class FakeModelConfig:
+        use_mla = False
+
+        def verify_with_parallel_config(self, parallel_config):
+            seen.append(parallel_config.decode_context_parallel_size)
+
+    assert patch_model_config_dcp.wrap(FakeModelConfig)
+    assert not patch_model_config_dcp.wrap(FakeModelConfig)
+    for pcp, dcp in ((2, 2), (1, 2), (2, 1), (4, 2)):
+        par = SimpleNamespace(prefill_context_parallel_size=pcp,
+                              decode_context_parallel_size=dcp)
+        FakeModelConfig().verify_with_parallel_config(par)
+        assert par.decode_context_parallel_size == dcp  # restored
+    assert seen == [1, 2, 1, 2]

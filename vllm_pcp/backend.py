@@ -3,11 +3,13 @@
 On a PCP step the runner hands every layer local attention rows (each rank's
 DualChunkSwap chunks) and, through the forward context, a slot mapping of the
 *gathered* layout. The KV write then becomes: all-gather the new K/V of every
-rank (one collective of ``N * P`` rows), write them all into this rank's paged
-cache. Attention is FlashInfer's own: each local chunk attends causally over
-the paged cache, and the bottom-right causal mask places the chunk at its
-absolute offset. Steps without split prefills, and PCP = 1, run exactly as
-stock FlashInfer.
+rank (one collective of ``N * P`` rows), write them into this rank's paged
+cache (slots of tokens another DCP rank owns are -1). With DCP = 1 attention
+is FlashInfer's own: each local chunk attends causally over the paged cache,
+and the bottom-right causal mask places the chunk at its absolute offset. With
+DCP == PCP the cache holds a shard only, and :mod:`vllm_pcp.dcp_attention`
+runs the step. Steps without split prefills at DCP = 1, and PCP = 1, run
+exactly as stock FlashInfer.
 """
 from __future__ import annotations
 
@@ -20,12 +22,28 @@ from vllm.v1.attention.backends.flashinfer import (FlashInferBackend, FlashInfer
 from vllm_pcp.exchange import gather_kv
 
 
-@dataclass(frozen=True)
+@dataclass
 class PCPKVExchange:
-    """What a layer needs for the KV exchange of one PCP step."""
+    """What a layer needs for the KV exchange of one PCP step.
+
+    With ``restore_indices`` set (DCP), the cache write also keeps this
+    layer's gathered K/V in step order in ``step_kv`` for the attention that
+    follows it; the next layer's write replaces it.
+    """
 
     group: object  # vLLM GroupCoordinator of the PCP ranks
     num_padded_tokens_per_rank: int  # P, identical on every rank
+    restore_indices: torch.Tensor | None = None  # [T], device
+    step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class PCPDCPMetadata:
+    """Attention metadata of a PCP x DCP step (replaces FlashInferMetadata)."""
+
+    attention: object  # vllm_pcp.dcp_attention.DCPAttention, planned for the step
+    pcp_exchange: PCPKVExchange
+    num_local_tokens: int
 
 
 class PCPFlashInferImpl(FlashInferImpl):
@@ -38,16 +56,56 @@ class PCPFlashInferImpl(FlashInferImpl):
         if exchange is not None:
             key, value = gather_kv(exchange.group, key, value,
                                    exchange.num_padded_tokens_per_rank)
+            if exchange.restore_indices is not None:
+                exchange.step_kv = (key.index_select(0, exchange.restore_indices),
+                                    value.index_select(0, exchange.restore_indices))
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if not isinstance(attn_metadata, PCPDCPMetadata):
+            if self.dcp_world_size > 1 and self.pcp_world_size > 1:
+                # Under PCP x DCP every engine step carries PCPDCPMetadata; anything
+                # else is a profiling or warm-up run, which vLLM's own DCP path
+                # (DCP inside TP) cannot shape. Like vLLM's profiling run: zeros.
+                return output.fill_(0)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                                   output, output_scale, output_block_scale)
+        if output_scale is not None:
+            raise NotImplementedError("PCP x DCP does not fuse output quantization")
+        exchange, n = attn_metadata.pcp_exchange, attn_metadata.num_local_tokens
+        k_step, v_step = exchange.step_kv
+        cache = kv_cache.permute(*FlashInferBackend.get_kv_cache_stride_order())
+        out = attn_metadata.attention.run(exchange.group, query[:n], k_step, v_step,
+                                          cache.split(self.head_size, dim=-1))
+        output[:n].copy_(out)
+        return output
 
 
 class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
     """Stock planning; carries the step's :class:`PCPKVExchange` to the layers."""
 
+    _dcp_attention = None
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         metadata.pcp_exchange = getattr(common_attn_metadata, "pcp_exchange", None)
         return metadata
+
+    def build_dcp(self, plan, block_table: torch.Tensor,
+                  exchange: PCPKVExchange) -> PCPDCPMetadata:
+        """Plan a PCP x DCP step (``plan``: a DCPAttentionPlan) once for all layers."""
+        if self._dcp_attention is None:
+            from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+            from vllm_pcp.dcp_attention import DCPAttention
+
+            self._dcp_attention = DCPAttention(
+                self._get_workspace_buffer(), self.num_qo_heads, self.num_kv_heads,
+                self.head_dim, self.page_size, self.q_data_type_prefill,
+                self.global_hyperparameters.sm_scale, get_kv_cache_layout())
+        self._dcp_attention.plan(plan, block_table)
+        return PCPDCPMetadata(self._dcp_attention, exchange, plan.pcp.num_local_tokens)
 
 
 class PCPFlashInferBackend(FlashInferBackend):

@@ -24,9 +24,12 @@ class PCPKnobs:
 
     min_split_tokens : prefills with fewer scheduled tokens in a step are
         computed whole on every rank instead of being split (``pcp_min_split_tokens``).
+    unverified_dcp : allow ``-dcp`` equal to ``-pcp`` before its GPU check has
+        passed (``pcp_unverified_dcp``); for running that check.
     """
 
     min_split_tokens: int = 2
+    unverified_dcp: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> PCPKnobs:
@@ -36,7 +39,11 @@ class PCPKnobs:
             raise PCPConfigError(
                 f"--additional-config pcp_min_split_tokens must be a non-negative "
                 f"integer, got {value!r}")
-        return cls(min_split_tokens=value)
+        unverified = raw.get("pcp_unverified_dcp", False)
+        if not isinstance(unverified, bool):
+            raise PCPConfigError(f"--additional-config pcp_unverified_dcp must be true or "
+                                 f"false, got {unverified!r}")
+        return cls(min_split_tokens=value, unverified_dcp=unverified)
 
 
 def _attention_backend_name(vllm_config) -> str | None:
@@ -44,20 +51,37 @@ def _attention_backend_name(vllm_config) -> str | None:
     return None if backend is None else getattr(backend, "name", str(backend))
 
 
+def _dcp_refusals(vllm_config, knobs: PCPKnobs) -> list[str]:
+    parallel = vllm_config.parallel_config
+    pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
+    if dcp == 1:
+        return []
+    if dcp != pcp:
+        return [f"--decode-context-parallel-size {dcp}: with -pcp {pcp} it must be 1 or "
+                f"{pcp} (the KV cache sharded over the PCP ranks)"]
+    out = []
+    if not knobs.unverified_dcp:
+        out.append(f"--decode-context-parallel-size {dcp} with -pcp {pcp} is implemented but "
+                   "not yet verified on GPUs: drop -dcp, or pass --additional-config "
+                   "'{\"pcp_unverified_dcp\": true}' to run it anyway")
+    if getattr(parallel, "dcp_comm_backend", "ag_rs") == "a2a":
+        out.append("--dcp-comm-backend a2a: PCP x DCP exchanges partial states itself; "
+                   "omit the flag")
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+    if cache_dtype not in ("auto", "bfloat16", "float16"):
+        out.append(f"--kv-cache-dtype {cache_dtype}: PCP x DCP runs unquantized KV caches")
+    return out
+
+
 def _refusals(vllm_config) -> list[str]:
     parallel = vllm_config.parallel_config
     model = vllm_config.model_config
-    pcp = parallel.prefill_context_parallel_size
     out = []
     if parallel.data_parallel_size > 1:
         out.append("--data-parallel-size > 1: run one PCP engine per replica "
                    "instead, or drop --prefill-context-parallel-size")
     if parallel.pipeline_parallel_size > 1:
         out.append("--pipeline-parallel-size > 1: use -tp with -pcp instead")
-    if parallel.decode_context_parallel_size > 1:
-        out.append("--decode-context-parallel-size > 1 together with "
-                   f"--prefill-context-parallel-size {pcp} is not supported yet: "
-                   "drop -dcp (every PCP rank then keeps the whole KV cache)")
     if vllm_config.speculative_config is not None:
         out.append("--speculative-config: speculative decoding is not supported "
                    "with PCP; drop it or drop -pcp")
@@ -86,8 +110,8 @@ def prepare_pcp_config(vllm_config) -> bool:
     model = vllm_config.model_config
     if parallel.prefill_context_parallel_size <= 1 or model is None or model.use_mla:
         return False
-    refused = _refusals(vllm_config)
-    PCPKnobs.from_additional_config(vllm_config.additional_config)
+    knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
+    refused = _refusals(vllm_config) + _dcp_refusals(vllm_config, knobs)
     if refused:
         raise PCPConfigError(
             "vllm-pcp cannot run --prefill-context-parallel-size "
@@ -97,4 +121,17 @@ def prepare_pcp_config(vllm_config) -> bool:
             f"--worker-cls {parallel.worker_cls}: PCP needs the plugin's worker "
             f"{WORKER_CLS}; omit --worker-cls")
     parallel.worker_cls = WORKER_CLS
+    if parallel.decode_context_parallel_size > 1:
+        _disable_cuda_graphs(vllm_config)
     return True
+
+
+def _disable_cuda_graphs(vllm_config) -> None:
+    from vllm.config import CUDAGraphMode
+    from vllm.logger import init_logger
+
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode != CUDAGraphMode.NONE:
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        init_logger("vllm.vllm_pcp.config").info(
+            "PCP x DCP runs without CUDA graphs: cudagraph_mode set to NONE")

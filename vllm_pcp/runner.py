@@ -23,6 +23,11 @@ One step::
 Steps without a split request (decodes, short prefills) run stock on every
 rank. Split steps run without CUDA graphs: the local token count is not a
 captured size.
+
+With ``-dcp N`` equal to ``-pcp N`` the KV cache is sharded over the same
+ranks: every step, decodes included, is planned with
+:func:`vllm_pcp.dcp_plan.build_dcp_plan` and attended by
+:class:`vllm_pcp.dcp_attention.DCPAttention`.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 from vllm.config import CUDAGraphMode
-from vllm.distributed.parallel_state import get_pcp_group
+from vllm.distributed.parallel_state import get_dcp_group, get_pcp_group
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -38,6 +43,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_pcp.backend import PCPFlashInferMetadataBuilder, PCPKVExchange
 from vllm_pcp.config import PCPKnobs
+from vllm_pcp.dcp_plan import DCPAttentionPlan, build_dcp_plan
 from vllm_pcp.exchange import gathered_slot_mapping, restore_hidden_states
 from vllm_pcp.partition import PrefillContextParallelMetadata, build_pcp_metadata
 
@@ -63,14 +69,40 @@ class PCPModelRunner(GPUModelRunner):
         knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
         # Never split below 2N tokens: every rank then gets local tokens.
         self.pcp_min_split_tokens = max(knobs.min_split_tokens, 2 * self.pcp_world_size)
-        self._pcp_plan: PrefillContextParallelMetadata | None = None
+        self.pcp_dcp = self._check_dcp(vllm_config)
+        self._pcp_plan: PrefillContextParallelMetadata | DCPAttentionPlan | None = None
         self._pcp_step: _PCPStep | None = None
-        logger.info("PCP model runner: rank %d of %d, prefills of >= %d tokens are split",
-                    self.pcp_rank, self.pcp_world_size, self.pcp_min_split_tokens)
+        logger.info("PCP model runner: rank %d of %d, prefills of >= %d tokens are split, "
+                    "KV cache %s", self.pcp_rank, self.pcp_world_size,
+                    self.pcp_min_split_tokens,
+                    "sharded (DCP)" if self.pcp_dcp else "whole on every rank")
+
+    def _check_dcp(self, vllm_config) -> bool:
+        """True when the KV cache is sharded over the PCP ranks (DCP == PCP)."""
+        dcp = vllm_config.parallel_config.decode_context_parallel_size
+        if dcp == 1:
+            return False
+        if get_dcp_group().ranks != self.pcp_group.ranks:
+            raise RuntimeError(f"DCP group {get_dcp_group().ranks} differs from PCP group "
+                               f"{self.pcp_group.ranks}: this layout is not supported")
+        self.cp_kv_cache_interleave_size = (
+            vllm_config.parallel_config.cp_kv_cache_interleave_size)
+        block_size = vllm_config.cache_config.block_size
+        if block_size and block_size % self.cp_kv_cache_interleave_size:
+            raise ValueError(f"--cp-kv-cache-interleave-size "
+                             f"{self.cp_kv_cache_interleave_size} must divide the KV block "
+                             f"size {block_size} (--block-size)")
+        return True
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         num_reqs = self.input_batch.num_reqs
+        if self.pcp_dcp:  # a sharded cache needs the plugin's attention every step
+            self._pcp_plan = build_dcp_plan(
+                self.input_batch.num_computed_tokens_cpu[:num_reqs],
+                num_scheduled_tokens[:num_reqs], self.pcp_world_size, self.pcp_rank,
+                self.cp_kv_cache_interleave_size, min_split_tokens=self.pcp_min_split_tokens)
+            return result
         if int(num_scheduled_tokens[:num_reqs].max()) < self.pcp_min_split_tokens:
             self._pcp_plan = None  # nothing to split: decodes and short prefills only
             return result
@@ -87,10 +119,46 @@ class PCPModelRunner(GPUModelRunner):
     def _build_attention_metadata(self, *args, **kwargs):
         plan, self._pcp_plan = self._pcp_plan, None
         self._pcp_step = None
-        if (plan is None or not plan.is_split or kwargs.get("for_cudagraph_capture")
-                or kwargs.get("ubatch_slices") is not None):
+        if plan is None or kwargs.get("for_cudagraph_capture") or kwargs.get("ubatch_slices"):
+            return super()._build_attention_metadata(*args, **kwargs)
+        if isinstance(plan, DCPAttentionPlan):
+            return self._build_dcp_attention_metadata(plan, kwargs["slot_mappings"]), None
+        if not plan.is_split:
             return super()._build_attention_metadata(*args, **kwargs)
         return self._build_split_attention_metadata(plan, kwargs["slot_mappings"]), None
+
+    def _build_dcp_attention_metadata(self, plan: DCPAttentionPlan,
+                                      slot_mappings: dict[int, torch.Tensor]) -> dict:
+        """Per-layer PCP x DCP metadata and the step's ``_PCPStep``. vLLM's slot
+        mapping already holds -1 for tokens another DCP rank owns."""
+        dev, pcp = self.device, plan.pcp
+        gathered = pcp.gathered_token_indices.to(dev, non_blocking=True)
+        restore = pcp.restore_indices.to(dev, non_blocking=True)
+        attn_metadata, slot_by_layer = {}, {}
+        num_reqs = self.input_batch.num_reqs
+        for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
+            table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
+            slots_gathered = gathered_slot_mapping(slot_mappings[gid], gathered)
+            for attn_group in self.attn_groups[gid]:
+                builder = self._pcp_builder(attn_group)
+                exchange = PCPKVExchange(self.pcp_group, pcp.num_padded_tokens_per_rank,
+                                         restore_indices=restore)
+                metadata = builder.build_dcp(plan, table, exchange)
+                for name in attn_group.layer_names:
+                    attn_metadata[name] = metadata
+                    slot_by_layer[name] = slots_gathered
+        self._pcp_step = _PCPStep(pcp.local_token_indices.to(dev, non_blocking=True), restore,
+                                  pcp.num_padded_tokens_per_rank, slot_by_layer)
+        return attn_metadata
+
+    @staticmethod
+    def _pcp_builder(attn_group) -> PCPFlashInferMetadataBuilder:
+        builder = attn_group.get_metadata_builder(0)
+        if not isinstance(builder, PCPFlashInferMetadataBuilder):
+            raise RuntimeError(
+                f"PCP needs the FLASHINFER attention backend, layer group "
+                f"{attn_group.layer_names[:1]} uses {type(builder).__name__}")
+        return builder
 
     def _build_split_attention_metadata(self, plan: PrefillContextParallelMetadata,
                                         slot_mappings: dict[int, torch.Tensor]) -> dict:
@@ -126,11 +194,7 @@ class PCPModelRunner(GPUModelRunner):
             cm.pcp_exchange = exchange
             slots_gathered = gathered_slot_mapping(slots, gathered)
             for attn_group in self.attn_groups[gid]:
-                builder = attn_group.get_metadata_builder(0)
-                if not isinstance(builder, PCPFlashInferMetadataBuilder):
-                    raise RuntimeError(
-                        f"PCP needs the FLASHINFER attention backend, layer group "
-                        f"{attn_group.layer_names[:1]} uses {type(builder).__name__}")
+                builder = self._pcp_builder(attn_group)
                 metadata = builder.build(common_prefix_len=0, common_attn_metadata=cm)
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata

@@ -1,0 +1,58 @@
+"""Patch of ``vllm.config.model.ModelConfig.verify_with_parallel_config``.
+
+Why
+    vLLM 0.26.0 asserts, for every non-MLA model with DCP > 1, that the TP size
+    exceeds the KV-head count and bounds DCP by ``TP // kv_heads``. Those
+    checks describe DCP inside TP, where KV heads are replicated across TP
+    ranks. With DCP == PCP the cache is sharded over the PCP ranks instead and
+    every rank keeps all of its KV heads, so the checks refuse valid configs
+    (``-pcp 2 -dcp 2`` on any GQA model at TP 1).
+How
+    Wrap the method: when PCP > 1 and DCP == PCP on a non-MLA model, run vLLM's
+    own body with ``decode_context_parallel_size`` shown as 1, then restore it.
+    Every other check of the method still runs; other configs pass through.
+Upstream status
+    None yet. Upstream would condition the GQA DCP asserts on DCP being part
+    of TP (``dcp_size <= tp_size`` and PCP == 1).
+Removal plan
+    Drop this file once vLLM checks DCP against the axis it actually spans.
+"""
+from __future__ import annotations
+
+import functools
+
+PATCHED_ATTR = "_vllm_pcp_patched"
+
+
+def _dcp_spans_pcp(model_config, parallel_config) -> bool:
+    pcp = parallel_config.prefill_context_parallel_size
+    return (pcp > 1 and parallel_config.decode_context_parallel_size == pcp
+            and not model_config.use_mla)
+
+
+def wrap(model_config_cls: type) -> bool:
+    """Wrap ``verify_with_parallel_config`` once; True if wrapped now."""
+    original = model_config_cls.verify_with_parallel_config
+    if getattr(original, PATCHED_ATTR, False):
+        return False
+
+    @functools.wraps(original)
+    def verify_with_parallel_config(self, parallel_config) -> None:
+        if not _dcp_spans_pcp(self, parallel_config):
+            return original(self, parallel_config)
+        dcp = parallel_config.decode_context_parallel_size
+        parallel_config.decode_context_parallel_size = 1
+        try:
+            return original(self, parallel_config)
+        finally:
+            parallel_config.decode_context_parallel_size = dcp
+
+    setattr(verify_with_parallel_config, PATCHED_ATTR, True)
+    model_config_cls.verify_with_parallel_config = verify_with_parallel_config
+    return True
+
+
+def apply() -> bool:
+    from vllm.config.model import ModelConfig
+
+    return wrap(ModelConfig)
