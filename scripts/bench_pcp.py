@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -93,34 +92,18 @@ def measure(args) -> None:
 def run(args) -> None:
     model = _model_dir(os.path.join(ROOT, "configs", "models", "qwen2.5-3b-shape.json"),
                        "/tmp/bench-models/qwen2.5-3b-shape")
-    raw = {"versions": _versions(), "eager": args.eager, "runs": []}
+    from gpu_runs import run_worker, versions
+
+    raw = {"versions": versions(), "eager": args.eager, "runs": []}
     for config in args.configs.split(","):
         out = f"/tmp/bench-{config}.json"
-        env = {**os.environ, **CONFIGS[config][1]}
         cmd = [sys.executable, __file__, "measure", "--config", config, "--model", model,
                "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
                "--out", out] + (["--eager"] if args.eager else [])
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        entry = {"config": config, "returncode": proc.returncode}
-        if proc.returncode == 0:
-            with open(out) as f:
-                entry["rows"] = json.load(f)["rows"]
-        else:
-            entry["log_tail"] = (proc.stdout + proc.stderr)[-6000:]
-        print(f"{config}: rc={proc.returncode}", flush=True)
-        raw["runs"].append(entry)
+        raw["runs"].append(run_worker(cmd, out, "rows", {"config": config},
+                                      CONFIGS[config][1]))
         with open(args.raw, "w") as f:
             json.dump(raw, f)
-
-
-def _versions() -> dict:
-    import torch
-
-    out = {"torch": torch.__version__,
-           "gpu": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"}
-    for mod in ("vllm", "flashinfer"):
-        out[mod] = __import__(mod).__version__
-    return out
 
 
 def report(args) -> None:

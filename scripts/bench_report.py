@@ -6,26 +6,19 @@ import os
 import statistics
 
 
+def _rows(raw: dict, kind: str, fields: tuple[str, ...], samples: str) -> list[dict]:
+    """Rows of one ``kind`` from every successful run, with the median of ``samples``."""
+    return [{"config": run["config"], **{k: row[k] for k in fields}, samples: row[samples],
+             "median_s": statistics.median(row[samples])}
+            for run in raw["runs"] for row in run.get("rows", []) if row["kind"] == kind]
+
+
 def _ttft_rows(raw: dict) -> list[dict]:
-    rows = []
-    for run in raw["runs"]:
-        for row in run.get("rows", []):
-            if row["kind"] == "ttft":
-                rows.append({"config": run["config"], "prompt_len": row["prompt_len"],
-                             "ttft_s": row["ttft_s"],
-                             "median_s": statistics.median(row["ttft_s"])})
-    return rows
+    return _rows(raw, "ttft", ("prompt_len",), "ttft_s")
 
 
 def _itl_rows(raw: dict) -> list[dict]:
-    rows = []
-    for run in raw["runs"]:
-        for row in run.get("rows", []):
-            if row["kind"] == "itl":
-                rows.append({"config": run["config"], "context": row["context"],
-                             "batch": row["batch"], "itl_s": row["itl_s"],
-                             "median_s": statistics.median(row["itl_s"])})
-    return rows
+    return _rows(raw, "itl", ("context", "batch"), "itl_s")
 
 
 def ratios(ttft_rows: list[dict]) -> dict:

@@ -19,14 +19,13 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from exactness_lib import compare_outputs  # noqa: E402
+from gpu_runs import run_worker, versions  # noqa: E402
 
 CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
            "pcp1-graphs": ["--pcp", "1", "--cuda-graphs"],
@@ -71,19 +70,9 @@ def _run_one(args, tmp: str, model: str, variant: str, config: str, env: dict) -
     cmd = [sys.executable, os.path.join(HERE, "exactness_worker.py"),
            "--model", _model_dir(model, args.models_dir), "--variant", variant,
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--max-tokens", str(args.max_tokens),
-           "--out", out, *CONFIGS[config]]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
-    entry = {"model": model, "variant": variant, "config": config,
-             "returncode": proc.returncode, "seconds": round(time.perf_counter() - start, 1)}
-    if proc.returncode == 0:
-        with open(out) as f:
-            entry["results"] = json.load(f)["results"]
-    else:
-        entry["log_tail"] = (proc.stdout + proc.stderr)[-6000:]
-    print(f"{model} {variant} {config}: rc={proc.returncode} {entry['seconds']} s", flush=True)
-    return entry
+           "--max-tokens", str(args.max_tokens), "--out", out, *CONFIGS[config]]
+    return run_worker(cmd, out, "results",
+                      {"model": model, "variant": variant, "config": config}, env)
 
 
 def run(args) -> None:
@@ -92,7 +81,7 @@ def run(args) -> None:
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    raw = {"versions": _versions(), "runs": []}
+    raw = {"versions": versions(), "runs": []}
     tmp = f"/tmp/exactness-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     jobs = [(m, v, c) for m in args.models.split(",") for v in args.variants.split(",")
@@ -127,25 +116,12 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def _versions() -> dict:
-    import torch
-
-    out = {"torch": torch.__version__,
-           "gpu": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"}
-    for mod in ("vllm", "flashinfer"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as exc:  # recorded, not fatal
-            out[mod] = f"unavailable: {exc}"
-    return out
-
-
 def compare(args) -> None:
-    runs, versions = {}, {}
+    runs, host = {}, {}
     for path in args.raw:
         with open(path) as f:
             data = json.load(f)
-        versions = data["versions"]
+        host = data["versions"]
         for run in data["runs"]:
             runs[(run["model"], run["variant"], run["config"])] = run
     cases = []
@@ -172,9 +148,9 @@ def compare(args) -> None:
                           "max_abs_logprob_diff": max(p["max_abs_logprob_diff"]
                                                       for p in per_prompt),
                           "passed": all(p["passed"] for p in per_prompt)})
-    meta = {"git_rev": args.git_rev, "command": args.command, "gpu": versions.get("gpu"),
-            "vllm": versions.get("vllm"), "flashinfer": versions.get("flashinfer"),
-            "torch": versions.get("torch"), "date": datetime.date.today().isoformat()}
+    meta = {"git_rev": args.git_rev, "command": args.command, "gpu": host.get("gpu"),
+            "vllm": host.get("vllm"), "flashinfer": host.get("flashinfer"),
+            "torch": host.get("torch"), "date": datetime.date.today().isoformat()}
     if args.note:
         meta["note"] = args.note
     n = len(cases)

@@ -47,7 +47,7 @@ def test_overlap_puts_one_gpu_configs_on_the_last_gpu(tmp_path, monkeypatch):
     import check_exactness as ce
 
     seen = []
-    monkeypatch.setattr(ce, "_versions", lambda: {"gpu": "2 x test"})
+    monkeypatch.setattr(ce, "versions", lambda: {"gpu": "2 x test"})
     monkeypatch.setattr(ce, "_gpu_count", lambda: 2)
     monkeypatch.setattr(ce, "_run_one", lambda args, tmp, m, v, c, env: seen.append(
         (m, v, c, env.get("CUDA_VISIBLE_DEVICES"))) or {"model": m, "variant": v,
