@@ -132,8 +132,8 @@ class DCPAttention:
                 slot = _positions_in(rep_index, self.rep_query)
                 rep_out[slot], rep_lse[slot] = o, s
             ctx_o, ctx_s = flashinfer.merge_states(
-                group.all_gather(rep_out.unsqueeze(1), dim=1),
-                group.all_gather(rep_lse.unsqueeze(1), dim=1))
+                group.all_gather(rep_out.unsqueeze(1), dim=1).contiguous(),
+                group.all_gather(rep_lse.unsqueeze(1), dim=1).contiguous())
             out[rep_index], lse[rep_index] = flashinfer.merge_state(
                 ctx_o, ctx_s, out[rep_index], lse[rep_index])
         return out
