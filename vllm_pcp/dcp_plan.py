@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from vllm_pcp.kv_shard import dcp_local_seq_len
-from vllm_pcp.partition import PrefillContextParallelMetadata, build_pcp_metadata
+from vllm_pcp.partition import (PrefillContextParallelMetadata, _expand_ranges,
+                                build_pcp_metadata)
 
 
 @dataclass(frozen=True)
@@ -76,24 +77,22 @@ class DCPAttentionPlan:
     ctx_replicated: AttentionRows
 
 
-def _rows(query_ranges: list[np.ndarray], reqs: list[int], kv_lens: list[int]) -> AttentionRows:
-    lens = [len(r) for r in query_ranges]
-    index = np.concatenate(query_ranges) if query_ranges else np.zeros(0, np.int64)
+def _rows(starts: np.ndarray, lens: np.ndarray, reqs: np.ndarray,
+          kv_lens: np.ndarray) -> AttentionRows:
+    """Rows reading ``lens[r]`` consecutive buffer rows from ``starts[r]``."""
     return AttentionRows(
-        query_index=torch.from_numpy(index.astype(np.int64)),
-        qo_indptr=torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32),
-        req=torch.tensor(reqs, dtype=torch.int32),
-        kv_len=torch.tensor(kv_lens, dtype=torch.int32))
+        query_index=torch.from_numpy(_expand_ranges(starts, lens)),
+        qo_indptr=torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)),
+        req=torch.from_numpy(reqs.astype(np.int32)),
+        kv_len=torch.from_numpy(kv_lens.astype(np.int32)))
 
 
-def _local_kv(computed: int, rank: int, world: int, interleave: int) -> int:
-    return int(dcp_local_seq_len(torch.tensor(computed), rank, world, interleave))
-
-
-def _row_spans(meta: PrefillContextParallelMetadata):
-    qsl = meta.query_start_loc.numpy()
-    return [(int(meta.row_req_indices[j]), int(meta.seq_lens[j]), qsl[j], qsl[j + 1])
-            for j in range(meta.num_rows)]
+def _rows_of(meta: PrefillContextParallelMetadata, wanted: np.ndarray):
+    """(request, first local token, length) of the rows whose request is ``wanted``."""
+    req = meta.row_req_indices.numpy().astype(np.int64)
+    qsl = meta.query_start_loc.numpy().astype(np.int64)
+    keep = np.flatnonzero(wanted[req])
+    return req[keep], qsl[:-1][keep], np.diff(qsl)[keep]
 
 
 def build_dcp_plan(
@@ -117,34 +116,27 @@ def build_dcp_plan(
     token_start = np.cumsum(scheduled) - scheduled
     split = scheduled >= max(2, min_split_tokens)
 
-    new_index, new_lens = [], []
-    for req, seq_len, _, _ in _row_spans(mine):
-        new_len = seq_len - int(computed[req])
-        new_index.append(token_start[req] + np.arange(new_len))
-        new_lens.append(new_len)
+    local_kv = dcp_local_seq_len(torch.from_numpy(computed), rank, world_size,
+                                 interleave).numpy()
+    has_context = computed > 0
+
+    rows_req = mine.row_req_indices.numpy().astype(np.int64)
+    new_lens = mine.seq_lens.numpy().astype(np.int64) - computed[rows_req]
 
     # Split rows of every rank whose request has context: read from gathered Q.
-    s_q, s_req, s_kv = [], [], []
-    for q, meta in enumerate(metas):
-        for req, _, lo, hi in _row_spans(meta):
-            if split[req] and computed[req] > 0:
-                s_q.append(q * padded + np.arange(lo, hi))
-                s_req.append(req)
-                s_kv.append(_local_kv(computed[req], rank, world_size, interleave))
+    parts = [_rows_of(meta, split & has_context) for meta in metas]
+    s_req = np.concatenate([p[0] for p in parts])
+    s_start = np.concatenate([p[1] + q * padded for q, p in enumerate(parts)])
+    s_len = np.concatenate([p[2] for p in parts])
 
     # Replicated rows with context, ordered by request: the same order everywhere.
-    r_q, r_req, r_kv = [], [], []
-    for req, _, lo, hi in sorted(_row_spans(mine)):
-        if not split[req] and computed[req] > 0:
-            r_q.append(np.arange(lo, hi))
-            r_req.append(req)
-            r_kv.append(_local_kv(computed[req], rank, world_size, interleave))
+    r_req, r_start, r_len = _rows_of(mine, ~split & has_context)
+    order = np.argsort(r_req, kind="stable")
 
     return DCPAttentionPlan(
         pcp=mine, dcp_world_size=world_size, dcp_rank=rank, interleave=interleave,
-        new_kv_token_index=torch.from_numpy(
-            np.concatenate(new_index).astype(np.int64) if new_index else np.zeros(0, np.int64)),
-        new_kv_indptr=torch.tensor(np.concatenate([[0], np.cumsum(new_lens)]),
-                                   dtype=torch.int32),
-        ctx_split=_rows(s_q, s_req, s_kv),
-        ctx_replicated=_rows(r_q, r_req, r_kv))
+        new_kv_token_index=torch.from_numpy(_expand_ranges(token_start[rows_req], new_lens)),
+        new_kv_indptr=torch.from_numpy(np.concatenate([[0], np.cumsum(new_lens)])
+                                       .astype(np.int32)),
+        ctx_split=_rows(s_start, s_len, s_req, local_kv[s_req]),
+        ctx_replicated=_rows(r_start[order], r_len[order], r_req[order], local_kv[r_req[order]]))
