@@ -72,7 +72,8 @@ def _run_one(args, tmp: str, model: str, variant: str, config: str, env: dict) -
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--max-tokens", str(args.max_tokens), "--out", out, *CONFIGS[config]]
     return run_worker(cmd, out, "results",
-                      {"model": model, "variant": variant, "config": config}, env)
+                      {"model": model, "variant": variant, "config": config}, env,
+                      extra=("kv_capacity_tokens",))
 
 
 def run(args) -> None:
@@ -157,9 +158,26 @@ def compare(args) -> None:
     summary = {"cases": n, "passed": sum(c["passed"] for c in cases),
                "no_divergence": sum(c["passed"] and c["first_divergence"] is None
                                     for c in cases)}
+    result = {"meta": meta, "summary": summary, "cases": cases}
+    capacity = _kv_capacity(runs)
+    if capacity:
+        result["kv_capacity"] = capacity
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "summary": summary, "cases": cases}, f, indent=1)
+        json.dump(result, f, indent=1)
     print(json.dumps(summary))
+
+
+def _kv_capacity(runs: dict) -> dict:
+    """KV pool (tokens) of pcp2 and of the first pcp2-dcp2 run, same model and variant."""
+    for (model, variant, config), run in sorted(runs.items()):
+        base = runs.get((model, variant, "pcp2"), {})
+        if config.startswith("pcp2-dcp2") and "kv_capacity_tokens" in run and \
+                "kv_capacity_tokens" in base:
+            ratio = run["kv_capacity_tokens"] / base["kv_capacity_tokens"]
+            return {"model": model, "variant": variant,
+                    "pcp2_tokens": base["kv_capacity_tokens"],
+                    "pcp2_dcp2_tokens": run["kv_capacity_tokens"], "ratio": round(ratio, 4)}
+    return {}
 
 
 def main() -> None:

@@ -92,6 +92,9 @@ def main() -> None:
               decode_context_parallel_size=args.dcp,
               cp_kv_cache_interleave_size=args.interleave,
               additional_config={"pcp_unverified_dcp": True} if args.dcp > 1 else {})
+    cache = llm.llm_engine.vllm_config.cache_config
+    # With DCP one scheduler block spans block_size tokens on each of the DCP ranks.
+    kv_capacity_tokens = cache.num_gpu_blocks * cache.block_size * args.dcp
     cases = build_cases(max_model_len - args.max_tokens - 8, hf["vocab_size"])
     results = run_cases(llm, cases, args.max_tokens)
     with open(args.out, "w") as f:
@@ -99,6 +102,7 @@ def main() -> None:
                    "variant": args.variant, "cuda_graphs": args.cuda_graphs,
                    "attention_backend": args.attention_backend, "ray": args.ray,
                    "dcp": args.dcp, "interleave": args.interleave,
+                   "kv_capacity_tokens": kv_capacity_tokens,
                    "results": results}, f)
 
 

@@ -22,16 +22,19 @@ def versions() -> dict:
     return out
 
 
-def run_worker(cmd: list[str], out: str, key: str, entry: dict, env: dict | None = None) -> dict:
+def run_worker(cmd: list[str], out: str, key: str, entry: dict, env: dict | None = None,
+               extra: tuple[str, ...] = ()) -> dict:
     """Run ``cmd`` (which writes JSON to ``out``); return ``entry`` with the
-    return code, seconds, and ``out[key]`` -- or the log tail on failure."""
+    return code, seconds, and ``out[key]`` and ``out[extra...]`` -- or the log
+    tail on failure."""
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     entry = {**entry, "returncode": proc.returncode,
              "seconds": round(time.perf_counter() - start, 1)}
     if proc.returncode == 0:
         with open(out) as f:
-            entry[key] = json.load(f)[key]
+            data = json.load(f)
+        entry.update({k: data[k] for k in (key, *extra) if k in data})
     else:
         entry["log_tail"] = (proc.stdout + proc.stderr)[-6000:]
     print(" ".join(str(v) for v in entry.values() if isinstance(v, (str, int, float))),

@@ -59,3 +59,14 @@ def test_overlap_puts_one_gpu_configs_on_the_last_gpu(tmp_path, monkeypatch):
     assert sorted(seen) == [("a", "chunked", "pcp1", "1"), ("a", "chunked", "pcp2", None),
                             ("b", "chunked", "pcp1", "1"), ("b", "chunked", "pcp2", None)]
     assert len(json.load(open(raw))["runs"]) == 4
+
+
+def test_kv_capacity_compares_dcp_with_pcp_alone():
+    import check_exactness as ce
+
+    runs = {("m", "chunked", "pcp2"): {"kv_capacity_tokens": 1000},
+            ("m", "chunked", "pcp2-dcp2-i8"): {"kv_capacity_tokens": 1990},
+            ("m", "chunked", "pcp1"): {"kv_capacity_tokens": 1000}}
+    assert ce._kv_capacity(runs) == {"model": "m", "variant": "chunked", "pcp2_tokens": 1000,
+                                     "pcp2_dcp2_tokens": 1990, "ratio": 1.99}
+    assert ce._kv_capacity({("m", "chunked", "pcp2"): {"kv_capacity_tokens": 5}}) == {}
