@@ -161,7 +161,7 @@ def test_kv_update_writes_every_ranks_tokens(monkeypatch, world):
 
     def rank_fn(rank):
         impl = object.__new__(PCPFlashInferImpl)
-        impl.rank = rank
+        impl.rank, impl.pcp_world_size = rank, world
         layer = SimpleNamespace(exchange=PCPKVExchange(group.rank(rank), padded))
         local = plans[rank].local_token_indices
         impl.do_kv_cache_update(layer, k_all[local], v_all[local], None, "slots")
@@ -181,12 +181,19 @@ def test_kv_update_without_exchange_is_stock(monkeypatch):
                         lambda self, layer, k, v, cache, slots: seen.append(k))
     monkeypatch.setattr(backend_mod, "_current_exchange", lambda layer: None)
     key = torch.randn(3, 1, 4)
-    object.__new__(PCPFlashInferImpl).do_kv_cache_update(None, key, key, None, None)
+    impl = object.__new__(PCPFlashInferImpl)
+    impl.pcp_world_size = 2
+    impl.do_kv_cache_update(None, key, key, None, None)
     assert seen[0] is key
+    # PCP = 1 never looks for an exchange.
+    monkeypatch.setattr(backend_mod, "_current_exchange", lambda layer: 1 / 0)
+    impl.pcp_world_size = 1
+    impl.do_kv_cache_update(None, key, key, None, None)
+    assert seen[1] is key
 
 
 def test_current_exchange_reads_the_layers_metadata(monkeypatch):
-    import vllm.forward_context as fc
+    fc = backend_mod
 
     exchange = PCPKVExchange(object(), 8)
     ctx = SimpleNamespace(attn_metadata={"l0": SimpleNamespace(pcp_exchange=exchange),
@@ -236,7 +243,9 @@ def test_dcp_kv_update_keeps_the_step_kv_for_attention(monkeypatch):
         ex = PCPKVExchange(group.rank(rank), plans[0].num_padded_tokens_per_rank,
                            restore_indices=plans[0].restore_indices)
         local = plans[rank].local_token_indices
-        object.__new__(PCPFlashInferImpl).do_kv_cache_update(
+        impl = object.__new__(PCPFlashInferImpl)
+        impl.pcp_world_size = 2
+        impl.do_kv_cache_update(
             SimpleNamespace(exchange=ex), k_all[local], -k_all[local], None, None)
         return ex.step_kv
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.v1.attention.backends.flashinfer import (FlashInferBackend, FlashInferImpl,
                                                    FlashInferMetadataBuilder)
 
@@ -52,7 +53,7 @@ class PCPFlashInferImpl(FlashInferImpl):
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor,
                            value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        exchange = _current_exchange(layer)
+        exchange = _current_exchange(layer) if self.pcp_world_size > 1 else None
         if exchange is not None:
             key, value = gather_kv(exchange.group, key, value,
                                    exchange.num_padded_tokens_per_rank)
@@ -123,8 +124,6 @@ class PCPFlashInferBackend(FlashInferBackend):
 
 
 def _current_exchange(layer: torch.nn.Module) -> PCPKVExchange | None:
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
     if not is_forward_context_available():
         return None
     metadata = get_forward_context().attn_metadata
