@@ -193,16 +193,14 @@ def test_kv_update_without_exchange_is_stock(monkeypatch):
 
 
 def test_current_exchange_reads_the_layers_metadata(monkeypatch):
-    fc = backend_mod
-
     exchange = PCPKVExchange(object(), 8)
     ctx = SimpleNamespace(attn_metadata={"l0": SimpleNamespace(pcp_exchange=exchange),
                                          "l1": SimpleNamespace()})
-    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
-    monkeypatch.setattr(fc, "get_forward_context", lambda: ctx)
+    monkeypatch.setattr(backend_mod, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(backend_mod, "get_forward_context", lambda: ctx)
     assert backend_mod._current_exchange(SimpleNamespace(layer_name="l0")) is exchange
     assert backend_mod._current_exchange(SimpleNamespace(layer_name="l1")) is None
-    monkeypatch.setattr(fc, "is_forward_context_available", lambda: False)
+    monkeypatch.setattr(backend_mod, "is_forward_context_available", lambda: False)
     assert backend_mod._current_exchange(SimpleNamespace(layer_name="l0")) is None
 
 
