@@ -113,8 +113,11 @@ def report(args) -> None:
 
     from bench_report import serve_rows, write_reports
 
-    with open(args.raw) as f:
-        raw = json.load(f)
+    raw = {"runs": []}
+    for path in args.raw:  # several runs of one sitting, e.g. two halves of the configs
+        with open(path) as f:
+            part = json.load(f)
+        raw = {**part, "runs": raw["runs"] + part["runs"]}
     meta = {"git_rev": args.git_rev, "command": args.command, **raw["versions"],
             "date": datetime.date.today().isoformat(), "enforce_eager": raw["eager"]}
     print(json.dumps(write_reports(raw, meta, args.out_dir), indent=1))
@@ -143,7 +146,7 @@ def main() -> None:
     m.add_argument("--eager", action="store_true")
     m.add_argument("--out", required=True)
     p = sub.add_parser("report")
-    p.add_argument("--raw", required=True)
+    p.add_argument("--raw", nargs="+", required=True)
     p.add_argument("--git-rev", required=True)
     p.add_argument("--command", required=True)
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
