@@ -2,7 +2,7 @@
 # gsm8k (5-shot, all 1,319 test questions) through lm-eval's local-completions against `vllm serve`.
 #
 #   scripts/eval_gsm8k.sh MODEL DATA_DIR OUT_JSON [vllm serve flags ...]
-#   scripts/eval_gsm8k.sh /tmp/models/qwen2.5-coder-0.5b ../shared/data/gsm8k gsm8k-pcp2.json \
+#   scripts/eval_gsm8k.sh /tmp/models/qwen2.5-coder-0.5b path/to/gsm8k gsm8k-pcp2.json \
 #       --prefill-context-parallel-size 2 --attention-backend FLASHINFER
 #
 # Starts the server with the given flags, waits for /health, runs lm-eval, writes lm-eval's
