@@ -18,8 +18,9 @@ class _Ragged:
         self.qo, self.kv, self.causal = qo_indptr.cpu(), kv_indptr.cpu(), causal
 
     def run(self, q, k, v, return_lse=False):
-        return _rows(q, self.qo, lambda r: (k[self.kv[r]:self.kv[r + 1]],
-                                            v[self.kv[r]:self.kv[r + 1]]), self.causal)
+        out = _rows(q, self.qo, lambda r: (k[self.kv[r]:self.kv[r + 1]],
+                                           v[self.kv[r]:self.kv[r + 1]]), self.causal)
+        return out if return_lse else out[0]
 
 
 class _Paged:
@@ -38,7 +39,8 @@ class _Paged:
             pages = self.indices[self.indptr[r]:self.indptr[r + 1]].long()
             n = (len(pages) - 1) * k_cache.shape[1] + int(self.last[r])
             return (k_cache[pages].flatten(0, 1)[:n], v_cache[pages].flatten(0, 1)[:n])
-        return _rows(q, self.qo, kv, self.causal)
+        out = _rows(q, self.qo, kv, self.causal)
+        return out if return_lse else out[0]
 
 
 def _rows(q, qo, kv_of_row, causal):
