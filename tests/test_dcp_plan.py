@@ -60,3 +60,8 @@ def test_paged_kv_layout_lists_each_rows_pages():
     kept, query = _kept(plan.ctx_replicated)
     assert plan.ctx_replicated.kv_len.tolist() == [0] and len(kept.req) == 0
     assert _positions_in(torch.tensor([4, 9, 2]), torch.tensor([2, 4])).tolist() == [2, 0]
+
+
+def test_rejects_a_rank_outside_the_group():
+    with pytest.raises(ValueError):
+        build_dcp_plan(COMPUTED, SCHEDULED, 2, 2, 1)

@@ -31,7 +31,7 @@ import torch
 
 from vllm_pcp.kv_shard import dcp_local_seq_len
 from vllm_pcp.partition import (PrefillContextParallelMetadata, _expand_ranges,
-                                build_pcp_metadata)
+                                build_pcp_metadata_all_ranks)
 
 
 @dataclass(frozen=True)
@@ -108,10 +108,11 @@ def build_dcp_plan(
     """Plan one step for ``rank`` of a group that is both the PCP and the DCP group."""
     computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
     scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
-    metas = [build_pcp_metadata(computed, scheduled, world_size, r,
-                                min_split_tokens=min_split_tokens,
-                                decode_threshold=decode_threshold)
-             for r in range(world_size)]
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    metas = build_pcp_metadata_all_ranks(computed, scheduled, world_size,
+                                         min_split_tokens=min_split_tokens,
+                                         decode_threshold=decode_threshold)
     mine, padded = metas[rank], metas[0].num_padded_tokens_per_rank
     token_start = np.cumsum(scheduled) - scheduled
     split = scheduled >= max(2, min_split_tokens)

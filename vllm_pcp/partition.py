@@ -191,6 +191,20 @@ def build_pcp_metadata(
     """
     if not 0 <= pcp_rank < pcp_world_size:
         raise ValueError(f"pcp_rank {pcp_rank} outside [0, {pcp_world_size})")
+    return build_pcp_metadata_all_ranks(
+        num_computed_tokens, num_scheduled_tokens, pcp_world_size,
+        min_split_tokens=min_split_tokens, decode_threshold=decode_threshold)[pcp_rank]
+
+
+def build_pcp_metadata_all_ranks(
+    num_computed_tokens: Sequence[int],
+    num_scheduled_tokens: Sequence[int],
+    pcp_world_size: int,
+    *,
+    min_split_tokens: int = 2,
+    decode_threshold: int = 1,
+) -> list[PrefillContextParallelMetadata]:
+    """:func:`build_pcp_metadata` for every rank at once (one plan, N views)."""
     computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
     scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
     if computed.shape != scheduled.shape or (scheduled < 0).any() or (computed < 0).any():
@@ -206,24 +220,28 @@ def build_pcp_metadata(
     counts = tuple(len(t) for t in local_tokens)
     padded = max(counts) if counts else 0
     restore, gathered = _gathered_layout(local_tokens, np.repeat(~split, scheduled), padded)
-    mine = rows[pcp_rank]
-    num_decode_rows = int((mine.q_len <= decode_threshold).sum())
+    shared = dict(pcp_world_size=pcp_world_size, num_tokens=int(scheduled.sum()),
+                  num_tokens_per_rank=counts, num_padded_tokens_per_rank=padded,
+                  num_split_requests=int(split.sum()),
+                  restore_indices=torch.from_numpy(restore),
+                  gathered_token_indices=torch.from_numpy(gathered))
+    return [_rank_view(rank, rw, tokens, decode_threshold, shared)
+            for rank, (rw, tokens) in enumerate(zip(rows, local_tokens))]
+
+
+def _rank_view(rank: int, rows: _Rows, local_tokens: np.ndarray, decode_threshold: int,
+               shared: dict) -> PrefillContextParallelMetadata:
+    num_decode_rows = int((rows.q_len <= decode_threshold).sum())
     return PrefillContextParallelMetadata(
-        pcp_world_size=pcp_world_size,
-        pcp_rank=pcp_rank,
-        num_tokens=int(scheduled.sum()),
-        num_tokens_per_rank=counts,
-        num_padded_tokens_per_rank=padded,
-        num_split_requests=int(split.sum()),
-        local_token_indices=torch.from_numpy(local_tokens[pcp_rank]),
-        restore_indices=torch.from_numpy(restore),
-        gathered_token_indices=torch.from_numpy(gathered),
+        pcp_rank=rank,
+        local_token_indices=torch.from_numpy(local_tokens),
         query_start_loc=torch.from_numpy(
-            np.concatenate([[0], np.cumsum(mine.q_len)]).astype(np.int32)),
-        seq_lens=torch.from_numpy(mine.seq_len.astype(np.int32)),
-        row_req_indices=torch.from_numpy(mine.req.astype(np.int32)),
+            np.concatenate([[0], np.cumsum(rows.q_len)]).astype(np.int32)),
+        seq_lens=torch.from_numpy(rows.seq_len.astype(np.int32)),
+        row_req_indices=torch.from_numpy(rows.req.astype(np.int32)),
         num_decode_rows=num_decode_rows,
-        num_decode_tokens=int(mine.q_len[:num_decode_rows].sum()),
+        num_decode_tokens=int(rows.q_len[:num_decode_rows].sum()),
+        **shared,
     )
 
 
