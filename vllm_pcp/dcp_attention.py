@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from vllm_pcp.dcp_plan import AttentionRows, DCPAttentionPlan
-from vllm_pcp.exchange import all_to_all
+from vllm_pcp.exchange import all_gather_padded, all_to_all
 
 
 def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
@@ -102,9 +102,7 @@ class DCPAttention:
                                  v_step.index_select(0, self.new_kv_index), return_lse=True)
 
         # Split rows: every rank's queries against this rank's shard, back to owners.
-        q_pad = q_local.new_zeros((padded, *q_local.shape[1:]))
-        q_pad[:num_local] = q_local
-        q_all = group.all_gather(q_pad, dim=0)
+        q_all = all_gather_padded(group, q_local, padded)
         part_out = q_local.new_zeros((n * padded, *q_local.shape[1:]))
         part_lse = torch.full((n * padded, q_local.shape[1]), float("-inf"),
                               device=q_local.device)
@@ -113,7 +111,7 @@ class DCPAttention:
                                    return_lse=True)
             part_out[self.split_query], part_lse[self.split_query] = o, s
         recv_out, recv_lse = all_to_all(group, part_out), all_to_all(group, part_lse)
-        mine = self._owned_split_tokens(group)
+        mine = self._owned_split_tokens()
         if mine is not None:
             ctx_o, ctx_s = flashinfer.merge_states(
                 recv_out.view(n, padded, *q_local.shape[1:])[:, mine].transpose(0, 1).contiguous(),
@@ -138,7 +136,7 @@ class DCPAttention:
                 ctx_o, ctx_s, out[rep_index], lse[rep_index])
         return out
 
-    def _owned_split_tokens(self, group) -> torch.Tensor | None:
+    def _owned_split_tokens(self) -> torch.Tensor | None:
         """Local positions of this rank's split-row queries that have context."""
         rank, padded = self.plan_.dcp_rank, self.plan_.pcp.num_padded_tokens_per_rank
         index = self.plan_.ctx_split.query_index

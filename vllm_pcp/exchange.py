@@ -18,6 +18,12 @@ def _pad_rows(x: torch.Tensor, num_rows: int) -> torch.Tensor:
     return padded
 
 
+def all_gather_padded(group, x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Pad ``x`` (``[L, ...]``, ``L <= num_rows``) to ``num_rows`` rows and
+    all-gather it: ``[N * num_rows, ...]``, rank 0's block first."""
+    return group.all_gather(_pad_rows(x, num_rows), dim=0)
+
+
 def gather_kv(group, key: torch.Tensor, value: torch.Tensor,
               num_padded_tokens_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather this rank's new K/V in one collective.
@@ -35,8 +41,8 @@ def gather_kv(group, key: torch.Tensor, value: torch.Tensor,
         ``[N * P, Hkv, D]`` each, in the gathered layout of
         :class:`vllm_pcp.partition.PrefillContextParallelMetadata`.
     """
-    kv = _pad_rows(torch.stack((key, value), dim=1), num_padded_tokens_per_rank)
-    gathered = group.all_gather(kv, dim=0)
+    gathered = all_gather_padded(group, torch.stack((key, value), dim=1),
+                                 num_padded_tokens_per_rank)
     return gathered[:, 0], gathered[:, 1]
 
 
@@ -61,7 +67,7 @@ def restore_hidden_states(group, hidden_states: torch.Tensor,
     torch.Tensor
         ``[num_output_rows, H]``, identical on every rank.
     """
-    gathered = group.all_gather(_pad_rows(hidden_states, num_padded_tokens_per_rank), dim=0)
+    gathered = all_gather_padded(group, hidden_states, num_padded_tokens_per_rank)
     num_tokens = restore_indices.shape[0]
     rows = num_tokens if num_output_rows is None else num_output_rows
     if rows == num_tokens:

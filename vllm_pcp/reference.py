@@ -163,7 +163,7 @@ def pcp_dcp_rank_attention(plan, group, q_local: torch.Tensor, k_step: torch.Ten
     torch.Tensor
         ``[L, Hq, D]`` float32.
     """
-    from vllm_pcp.exchange import all_to_all
+    from vllm_pcp.exchange import all_gather_padded, all_to_all
 
     n, pcp = group.world_size, plan.pcp
     qsl, padded = pcp.query_start_loc, pcp.num_padded_tokens_per_rank
@@ -174,7 +174,7 @@ def pcp_dcp_rank_attention(plan, group, q_local: torch.Tensor, k_step: torch.Ten
         kv = plan.new_kv_token_index[int(plan.new_kv_indptr[j]):int(plan.new_kv_indptr[j + 1])]
         new_out[lo:hi], new_lse[lo:hi] = causal_attention(q_local[lo:hi], k_step[kv], v_step[kv])
 
-    q_all = group.all_gather(_pad(q_local, padded), dim=0)
+    q_all = all_gather_padded(group, q_local, padded)
     out, lse = _empty_state(n * padded, q_local)
     _attend_rows(plan.ctx_split, q_all, shard, out, lse, causal=False)
     out, lse = all_to_all(group, out), all_to_all(group, lse)
@@ -190,9 +190,3 @@ def pcp_dcp_rank_attention(plan, group, q_local: torch.Tensor, k_step: torch.Ten
     parts_lse = group.all_gather(rep_lse[idx].unsqueeze(1), dim=1)
     ctx_out[idx], ctx_lse[idx] = merge_states(parts_out, parts_lse)
     return merge_state(ctx_out, ctx_lse, new_out, new_lse)[0]
-
-
-def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
-    out = x.new_zeros((rows, *x.shape[1:]))
-    out[: x.shape[0]] = x
-    return out
