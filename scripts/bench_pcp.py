@@ -8,10 +8,13 @@
 One engine per configuration, each in its own process, all on the same host in
 one run. The model is the Qwen2.5-3B shape of configs/models with dummy weights
 (36 layers, 16 q / 2 kv heads, head_dim 128). TTFT is the wall time of a
-one-token generation of a single prompt, prefill unchunked; ITL is
-``(t(1 + n) - t(1)) / n`` at a 32K context, batch 1 and 8. Medians of
-``--repeats`` after one warm-up. ``pcp1-stock`` runs vLLM without the plugin
-(``VLLM_PLUGINS`` names no plugin); every other configuration uses FlashInfer.
+one-token generation of a fresh random prompt, prefill unchunked; ITL is
+``(t(1 + n) - t(1)) / n`` at a 32K context, batch 1 and 8, with the prompts
+already in the prefix cache so that both timings hold the same (tiny) prefill.
+Medians of ``--repeats`` after one warm-up. ``pcp1-stock`` runs vLLM without
+the plugin (``VLLM_PLUGINS`` names no plugin); every configuration uses
+FlashInfer. With ``--parallel-one-gpu`` the one-GPU configurations run at the
+same time, one per GPU (the two GPUs of one host are the same model).
 """
 from __future__ import annotations
 
@@ -31,7 +34,10 @@ CONFIGS = {
     "pcp1": ({"prefill_context_parallel_size": 1}, {}),
     "pcp2": ({"prefill_context_parallel_size": 2}, {}),
     "tp2": ({"tensor_parallel_size": 2}, {}),
+    "pcp2-dcp2": ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2,
+                   "additional_config": {"pcp_unverified_dcp": True}}, {}),
 }
+ONE_GPU = ("pcp1-stock", "pcp1")
 ITL_CONTEXT, ITL_TOKENS, ITL_BATCHES = 32768, 128, (1, 8)
 
 
@@ -60,7 +66,7 @@ def measure(args) -> None:
     max_len = max(lens) + ITL_TOKENS + 8
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=max_len,
-              max_num_seqs=max(ITL_BATCHES), enable_prefix_caching=False,
+              max_num_seqs=max(ITL_BATCHES), enable_prefix_caching=True,
               gpu_memory_utilization=0.85, attention_backend="FLASHINFER",
               enforce_eager=args.eager, seed=0, **engine_kwargs)
     rng = np.random.default_rng(0)
@@ -76,34 +82,52 @@ def measure(args) -> None:
         rows.append({"kind": "ttft", "prompt_len": n, "ttft_s": ttft})
         print(f"{args.config} ttft {n}: {statistics.median(ttft):.4f} s", flush=True)
     for batch in ITL_BATCHES:
-        _timed(llm, prompts(ITL_CONTEXT, batch), 1 + ITL_TOKENS)
+        cached = prompts(ITL_CONTEXT, batch)
+        _timed(llm, cached, 1 + ITL_TOKENS)  # warm-up; fills the prefix cache
         itl = []
         for _ in range(args.repeats):
-            first = _timed(llm, prompts(ITL_CONTEXT, batch), 1)
-            full = _timed(llm, prompts(ITL_CONTEXT, batch), 1 + ITL_TOKENS)
+            first = _timed(llm, cached, 1)
+            full = _timed(llm, cached, 1 + ITL_TOKENS)
             itl.append((full - first) / ITL_TOKENS)
         rows.append({"kind": "itl", "context": ITL_CONTEXT, "batch": batch, "itl_s": itl})
         print(f"{args.config} itl batch {batch}: {statistics.median(itl) * 1e3:.2f} ms",
               flush=True)
+    cache = llm.llm_engine.vllm_config.cache_config
+    dcp = engine_kwargs.get("decode_context_parallel_size", 1)
     with open(args.out, "w") as f:
-        json.dump({"config": args.config, "rows": rows}, f)
+        json.dump({"config": args.config, "rows": rows,
+                   "kv_capacity_tokens": cache.num_gpu_blocks * cache.block_size * dcp}, f)
 
 
 def run(args) -> None:
     model = _model_dir(os.path.join(ROOT, "configs", "models", "qwen2.5-3b-shape.json"),
                        "/tmp/bench-models/qwen2.5-3b-shape")
+    from concurrent.futures import ThreadPoolExecutor
+
     from gpu_runs import run_worker, versions
 
-    raw = {"versions": versions(), "eager": args.eager, "runs": []}
-    for config in args.configs.split(","):
+    raw = {"versions": versions(), "eager": args.eager,
+           "parallel_one_gpu": args.parallel_one_gpu, "runs": []}
+
+    def one(config: str, env: dict) -> None:
         out = f"/tmp/bench-{config}.json"
         cmd = [sys.executable, __file__, "measure", "--config", config, "--model", model,
                "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
                "--out", out] + (["--eager"] if args.eager else [])
         raw["runs"].append(run_worker(cmd, out, "rows", {"config": config},
-                                      CONFIGS[config][1]))
+                                      {**CONFIGS[config][1], **env},
+                                      extra=("kv_capacity_tokens",)))
         with open(args.raw, "w") as f:
             json.dump(raw, f)
+
+    configs = args.configs.split(",")
+    together = [c for c in configs if c in ONE_GPU] if args.parallel_one_gpu else []
+    with ThreadPoolExecutor(max(1, len(together))) as pool:
+        list(pool.map(one, together, [{"CUDA_VISIBLE_DEVICES": str(i)}
+                                      for i in range(len(together))]))
+    for config in configs:
+        if config not in together:
+            one(config, {})
 
 
 def report(args) -> None:
@@ -137,6 +161,8 @@ def main() -> None:
     r.add_argument("--prompt-lens", default="4096,32768,131072")
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--eager", action="store_true")
+    r.add_argument("--parallel-one-gpu", action="store_true",
+                   help="run the one-GPU configurations at once, one per GPU")
     r.add_argument("--raw", required=True)
     m = sub.add_parser("measure")
     m.add_argument("--config", choices=sorted(CONFIGS), required=True)

@@ -21,11 +21,16 @@ def _itl_rows(raw: dict) -> list[dict]:
     return _rows(raw, "itl", ("context", "batch"), "itl_s")
 
 
-def ratios(ttft_rows: list[dict]) -> dict:
-    """TTFT(a) / TTFT(b) per prompt length, for the pairs the goals name."""
-    med = {(r["config"], r["prompt_len"]): r["median_s"] for r in ttft_rows}
+TTFT_PAIRS = (("pcp1", "pcp2"), ("pcp1", "pcp2-dcp2"), ("tp2", "pcp2"),
+              ("pcp1-stock", "pcp1"), ("pcp2", "pcp1"))
+ITL_PAIRS = (("pcp2", "pcp1"), ("pcp2-dcp2", "pcp1"), ("pcp1", "pcp1-stock"))
+
+
+def ratios(rows: list[dict], key: str = "prompt_len", pairs=TTFT_PAIRS) -> dict:
+    """median(a) / median(b) per ``key`` value, for the pairs the goals name."""
+    med = {(r["config"], r[key]): r["median_s"] for r in rows}
     out = {}
-    for num, den in (("pcp1", "pcp2"), ("tp2", "pcp2"), ("pcp1-stock", "pcp1")):
+    for num, den in pairs:
         for (cfg, n), value in med.items():
             if cfg == num and (den, n) in med:
                 out[f"{num}/{den}@{n}"] = round(value / med[(den, n)], 4)
@@ -74,7 +79,10 @@ def write_reports(raw: dict, meta: dict, out_dir: str) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     ttft, itl = _ttft_rows(raw), _itl_rows(raw)
     failed = {r["config"]: r.get("log_tail", "")[-800:] for r in raw["runs"] if r["returncode"]}
-    summary = {"ratios": ratios(ttft), "failed_configs": failed}
+    summary = {"ratios": ratios(ttft), "itl_ratios": ratios(itl, "batch", ITL_PAIRS),
+               "kv_capacity_tokens": {r["config"]: r["kv_capacity_tokens"]
+                                      for r in raw["runs"] if "kv_capacity_tokens" in r},
+               "failed_configs": failed}
     with open(os.path.join(out_dir, "ttft.json"), "w") as f:
         json.dump({"meta": meta, "summary": summary, "rows": ttft}, f, indent=1)
     with open(os.path.join(out_dir, "itl.json"), "w") as f:

@@ -71,14 +71,33 @@ def _run_one(args, tmp: str, model: str, variant: str, config: str, env: dict) -
            "--model", _model_dir(model, args.models_dir), "--variant", variant,
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--max-tokens", str(args.max_tokens), "--out", out, *CONFIGS[config]]
+    if args.kv_cache_gib:
+        cmd += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
     return run_worker(cmd, out, "results",
                       {"model": model, "variant": variant, "config": config}, env,
                       extra=("kv_capacity_tokens",))
 
 
+def _lanes(jobs: list, overlap: bool, lanes: int, gpus: int,
+           one_gpu_lanes: int | None = None) -> list[tuple[list, dict]]:
+    """Split ``jobs`` into lanes that run at once, each with its environment.
+    Without ``overlap`` one lane runs everything in turn; with it, one-GPU jobs
+    get ``one_gpu_lanes`` lanes (default ``lanes``; spread over the GPUs, last
+    GPU first) and the others ``lanes``."""
+    if not overlap:
+        return [(jobs, {})]
+    one_gpu = {c for c in CONFIGS if CONFIGS[c][:2] == ["--pcp", "1"]}
+    single = [j for j in jobs if j[2] in one_gpu]
+    multi = [j for j in jobs if j[2] not in one_gpu]
+    singles = one_gpu_lanes or lanes
+    out = [(single[i::singles], {"CUDA_VISIBLE_DEVICES": str(max(0, gpus - 1 - i % gpus))})
+           for i in range(singles)]
+    out += [(multi[i::lanes], {}) for i in range(lanes)]
+    return [(lane_jobs, env) for lane_jobs, env in out if lane_jobs]
+
+
 def run(args) -> None:
-    """One engine per (model, variant, config). With ``--overlap`` the one-GPU
-    configurations run on the last GPU while the others run, two lanes at once."""
+    """One engine per (model, variant, config), in lanes (see ``_lanes``)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -87,13 +106,12 @@ def run(args) -> None:
     os.makedirs(tmp, exist_ok=True)
     jobs = [(m, v, c) for m in args.models.split(",") for v in args.variants.split(",")
             for c in args.configs.split(",")]
-    one_gpu = {c for c in CONFIGS if CONFIGS[c][:2] == ["--pcp", "1"]}
-    lanes = ([[j for j in jobs if j[2] in one_gpu], [j for j in jobs if j[2] not in one_gpu]]
-             if args.overlap else [jobs])
-    last_gpu = str(max(0, _gpu_count() - 1))
+    lanes = _lanes(jobs, args.overlap, args.lanes, _gpu_count(),
+                   getattr(args, "one_gpu_lanes", None))
     lock, failed = threading.Lock(), threading.Event()
 
-    def lane(lane_jobs, env):
+    def lane(lane_and_env):
+        lane_jobs, env = lane_and_env
         for job in lane_jobs:
             if failed.is_set():
                 return
@@ -107,8 +125,7 @@ def run(args) -> None:
                 failed.set()
 
     with ThreadPoolExecutor(len(lanes)) as pool:
-        envs = [{"CUDA_VISIBLE_DEVICES": last_gpu}, {}] if args.overlap else [{}]
-        list(pool.map(lane, lanes, envs))
+        list(pool.map(lane, lanes))
 
 
 def _gpu_count() -> int:
@@ -197,6 +214,13 @@ def main() -> None:
     r.add_argument("--fail-fast", action="store_true")
     r.add_argument("--overlap", action="store_true",
                    help="run one-GPU configurations on the last GPU beside the others")
+    r.add_argument("--lanes", type=int, default=1,
+                   help="with --overlap: lanes of jobs on several GPUs")
+    r.add_argument("--one-gpu-lanes", type=int, default=None,
+                   help="with --overlap: lanes of one-GPU jobs (default: --lanes)")
+    r.add_argument("--kv-cache-gib", type=float, default=0.0,
+                   help="fixed KV pool per engine; skips vLLM's memory profiling, which "
+                        "other engines on the same GPU would disturb")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     r.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     c = sub.add_parser("compare")

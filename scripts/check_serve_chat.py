@@ -64,7 +64,9 @@ def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
     cmd = [sys.executable, "-c", "from vllm.entrypoints.cli.main import main; main()",
            "serve", model, "--port", str(port), "--enforce-eager",
            "--prefill-context-parallel-size", str(pcp), "--max-model-len", "4096",
-           "--gpu-memory-utilization", "0.5", "--seed", "0",
+           # a fixed KV pool: both servers share the GPUs, so no memory profiling
+           "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(2 << 30),
+           "--seed", "0",
            # the same kernel at both sizes: vLLM would pick FLASH_ATTN for PCP = 1
            "--attention-backend", "FLASHINFER"]
     with open(log_path, "w") as log:
@@ -89,14 +91,20 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--log-dir", default="/tmp")
     args = ap.parse_args()
-    runs = [serve_and_ask(args.model, pcp, 8100 + pcp,
-                          os.path.join(args.log_dir, f"serve-pcp{pcp}.log"))
-            for pcp in (1, 2)]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpu_runs import versions
+
+    with ThreadPoolExecutor(2) as pool:  # both servers at once
+        runs = list(pool.map(lambda pcp: serve_and_ask(
+            args.model, pcp, 8100 + pcp, os.path.join(args.log_dir, f"serve-pcp{pcp}.log")),
+            (1, 2)))
     ok = all("error" not in r for r in runs)
     diffs = [abs(a - b) for a, b in zip(runs[0].get("token_logprobs", []),
                                         runs[1].get("token_logprobs", []))]
     result = {
-        "meta": {"git_rev": args.git_rev, "command": " ".join(sys.argv),
+        "meta": {"git_rev": args.git_rev, "command": " ".join(sys.argv), **versions(),
                  "date": datetime.date.today().isoformat()},
         "runs": runs,
         "same_text": ok and runs[0]["text"] == runs[1]["text"],

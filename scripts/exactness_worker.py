@@ -73,6 +73,9 @@ def main() -> None:
                     help="the same kernel on both sides of a comparison; PCP runs on "
                          "FLASHINFER, while vLLM picks FLASH_ATTN for PCP = 1 on Hopper")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                    help="fixed KV pool (vLLM's kv_cache_memory_bytes); for engines "
+                         "sharing a GPU")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -91,6 +94,7 @@ def main() -> None:
               distributed_executor_backend="ray" if args.ray else None,
               decode_context_parallel_size=args.dcp,
               cp_kv_cache_interleave_size=args.interleave,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               additional_config={"pcp_unverified_dcp": True} if args.dcp > 1 else {})
     cache = llm.llm_engine.vllm_config.cache_config
     # With DCP one scheduler block spans block_size tokens on each of the DCP ranks.

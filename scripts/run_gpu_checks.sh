@@ -1,47 +1,62 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks, one stage per call (each well under 10 minutes on 2 x H200).
+# The GPU checks and benchmarks of one sitting on 2 x H200, one stage per call (each under
+# 10 minutes once FlashInfer's kernels are compiled).
 #
 #   scripts/run_gpu_checks.sh STAGE OUT_DIR
 #
 # Stages, in the order worth running them:
-#   kernels      pytest tests/gpu (FlashInfer kernels as driven here vs the reference)
-#   exact-pcp    PCP=2 vs PCP=1 on FlashInfer, random models, both chunking variants
-#   exact-real   the same on SmolLM2 (/tmp/models/smollm2-135m)
-#   exact-more   CUDA graphs, Ray, and PCP x DCP (interleave 1, 8, 16; 256 tokens)
-#   serve-chat   vllm serve chat completion at PCP=1 and PCP=2
-#   bench-a      TTFT/ITL: pcp1-stock, pcp1      bench-b   TTFT/ITL: pcp2, tp2
-#   gsm8k        lm-eval gsm8k at PCP=1, PCP=2 (MODEL_GSM8K; DATA_GSM8K: a folder with
-#                train.jsonl and test.jsonl, default .gpu/gsm8k of the checkout)
+#   exact     the exactness matrix, engines in parallel lanes on a fixed KV pool each:
+#             kernel tests (pytest tests/gpu); PCP=2 vs PCP=1 on the random models and
+#             SmolLM2 (/tmp/models/smollm2-135m), chunked prefill on and off; CUDA graphs
+#             and Ray; PCP x DCP at interleave 1, 8, 16 with 256 greedy tokens
+#   bench     TTFT/ITL of pcp1-stock and pcp1 (one per GPU, at once), then pcp2, tp2,
+#             pcp2-dcp2 (GPUs to themselves; also records each KV pool in tokens)
+#   serve     vllm serve chat at PCP=1 and PCP=2, and gsm8k through lm-eval at PCP=1,
+#             PCP=2 and PCP=2 x DCP=2 (MODEL_GSM8K; DATA_GSM8K: a folder with train.jsonl and
+#             test.jsonl, default .gpu/gsm8k of the checkout), servers side by side
 # Raw results land in OUT_DIR; scripts/check_exactness.py compare and
 # scripts/bench_pcp.py report turn them into the committed result files.
-set -euo pipefail
+set -uo pipefail
 stage=$1 out=$2
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 ex() { python3 "$here/check_exactness.py" "$@"; }
+lanes() { ex run --overlap --kv-cache-gib 2 --gpu-memory-utilization 0.05 "$@"; }
 random_models=qwen2.5-3b-shape,llama-8kv-hd64,qwen2-mqa-1kv
+dcp_configs=pcp1,pcp2-dcp2-i1,pcp2-dcp2-i8,pcp2-dcp2-i16
 case "$stage" in
-  kernels)    python3 -m pytest -q "$here/../tests/gpu" 2>&1 | tee "$out/kernels.log" ;;
-  exact-pcp)  ex models --out-dir /tmp/pcp-models --layers 4
-              ex run --models "$random_models" --variants unchunked,chunked --configs pcp1,pcp2 \
-                 --overlap --gpu-memory-utilization 0.4 --raw "$out/raw-pcp.json" ;;
-  exact-real) ex run --models smollm2 --variants unchunked,chunked --configs pcp1,pcp2 \
-                 --overlap --gpu-memory-utilization 0.4 --raw "$out/raw-real.json" ;;
-  exact-more) ex models --out-dir /tmp/pcp-models --layers 4
-              ex run --models qwen2.5-3b-shape --variants chunked \
-                 --configs pcp1-graphs,pcp2-graphs,pcp1,pcp2-ray --raw "$out/raw-more.json"
-              ex run --models qwen2-mqa-1kv,qwen2.5-3b-shape --variants chunked --max-tokens 256 \
-                 --configs pcp1,pcp2,pcp2-dcp2-i1,pcp2-dcp2-i8,pcp2-dcp2-i16 \
-                 --raw "$out/raw-dcp.json" ;;
-  serve-chat) python3 "$here/check_serve_chat.py" --model "${MODELS_REAL:-/tmp/models/smollm2-135m}" \
-                 --git-rev "${GIT_REV:-unknown}" --out "$out/serve-chat-pcp.json" --log-dir "$out" ;;
-  bench-a)    python3 "$here/bench_pcp.py" run --configs pcp1-stock,pcp1 --raw "$out/bench-a.json" ;;
-  bench-b)    python3 "$here/bench_pcp.py" run --configs pcp2,tp2 --raw "$out/bench-b.json" ;;
-  gsm8k)      for pcp in 1 2; do
-                "$here/eval_gsm8k.sh" "${MODEL_GSM8K:-/tmp/models/qwen2.5-coder-0.5b}" \
-                  "${DATA_GSM8K:-$here/../.gpu/gsm8k}" "$out/gsm8k-pcp$pcp.json" \
-                  --prefill-context-parallel-size "$pcp" --attention-backend FLASHINFER
-              done ;;
+  exact)
+    ex models --out-dir /tmp/pcp-models --layers 4 > "$out/models.log" 2>&1
+    python3 -m pytest -q "$here/../tests/gpu" > "$out/kernels.log" 2>&1 &
+    lanes --lanes 2 --models "$random_models,smollm2" --variants unchunked,chunked \
+      --configs pcp1,pcp2 --raw "$out/raw-pcp.json" > "$out/pcp.log" 2>&1 &
+    lanes --lanes 4 --one-gpu-lanes 2 --models "$random_models,smollm2" --variants chunked \
+      --max-tokens 256 \
+      --configs "$dcp_configs" --raw "$out/raw-dcp.json" > "$out/dcp.log" 2>&1 &
+    lanes --lanes 1 --models qwen2.5-3b-shape --variants unchunked --max-tokens 256 \
+      --configs pcp1,pcp2-dcp2-i8 --raw "$out/raw-dcp-unchunked.json" > "$out/dcp-u.log" 2>&1 &
+    lanes --lanes 1 --models qwen2.5-3b-shape --variants chunked \
+      --configs pcp1-graphs,pcp2-graphs,pcp2-ray --raw "$out/raw-more.json" > "$out/more.log" 2>&1 &
+    wait ;;
+  bench)
+    python3 "$here/bench_pcp.py" run --eager --parallel-one-gpu \
+      --configs pcp1-stock,pcp1,pcp2,tp2,pcp2-dcp2 --raw "$out/bench.json" ;;
+  serve)
+    python3 "$here/check_serve_chat.py" --model "${MODELS_REAL:-/tmp/models/smollm2-135m}" \
+      --git-rev "${GIT_REV:-unknown}" --out "$out/serve-chat-pcp.json" --log-dir "$out" &
+    flags=(--enforce-eager --gpu-memory-utilization 0.1 --kv-cache-memory-bytes $((8 << 30))
+           --attention-backend FLASHINFER)
+    gsm8k() {  # NAME PORT PCP [more vllm serve flags]
+      local name=$1 port=$2; shift 2
+      PORT=$port "$here/eval_gsm8k.sh" "${MODEL_GSM8K:-/tmp/models/qwen2.5-coder-0.5b}" \
+        "${DATA_GSM8K:-$here/../.gpu/gsm8k}" "$out/gsm8k-$name.json" "${flags[@]}" \
+        --prefill-context-parallel-size "$@" > "$out/gsm8k-$name.log" 2>&1
+    }
+    gsm8k pcp1 8201 1 &
+    gsm8k pcp2 8202 2 &
+    gsm8k pcp2-dcp2 8203 2 --decode-context-parallel-size 2 \
+      --additional-config '{"pcp_unverified_dcp": true}' &
+    wait ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -21,17 +21,18 @@ COMPUTED = [0, 37, 0, 5, 0, 60, 21, 300]
 SCHEDULED = [2, 90, 1, 200, 13, 1, 3, 64]
 
 
-def make_batch(hq: int, hkv: int, dim: int, seed: int = 0):
+def make_batch(hq: int, hkv: int, dim: int, seed: int = 0, computed=COMPUTED,
+               scheduled=SCHEDULED):
     g = torch.Generator().manual_seed(seed)
     full = [(torch.randn(c + s, hkv, dim, generator=g), torch.randn(c + s, hkv, dim, generator=g))
-            for c, s in zip(COMPUTED, SCHEDULED)]
-    q = torch.randn(sum(SCHEDULED), hq, dim, generator=g)
+            for c, s in zip(computed, scheduled)]
+    q = torch.randn(sum(scheduled), hq, dim, generator=g)
     return full, q
 
 
-def expected_output(full, q):
+def expected_output(full, q, computed=COMPUTED, scheduled=SCHEDULED):
     outs, start = [], 0
-    for (k, v), c, s in zip(full, COMPUTED, SCHEDULED):
+    for (k, v), c, s in zip(full, computed, scheduled):
         outs.append(causal_attention(q[start:start + s], k, v)[0])
         start += s
     return torch.cat(outs)
@@ -59,20 +60,23 @@ def _paged_shard(full, rank, world, interleave, page_size, device, dtype):
 
 
 def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
-                 page_size=16):
-    full, q = make_batch(hq, hkv, dim, seed=world * 100 + interleave)
-    token_start = torch.tensor([0, *SCHEDULED]).cumsum(0)
-    k_step = torch.cat([k[c:] for (k, _), c in zip(full, COMPUTED)]).to(device, dtype)
-    v_step = torch.cat([v[c:] for (_, v), c in zip(full, COMPUTED)]).to(device, dtype)
+                 page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD"):
+    full, q = make_batch(hq, hkv, dim, world * 100 + interleave, computed, scheduled)
+    token_start = torch.tensor([0, *scheduled]).cumsum(0)
+    k_step = torch.cat([k[c:] for (k, _), c in zip(full, computed)]).to(device, dtype)
+    v_step = torch.cat([v[c:] for (_, v), c in zip(full, computed)]).to(device, dtype)
     assert k_step.shape[0] == int(token_start[-1])
     group = ThreadGroup(world)
 
     def rank_fn(rank):
-        plan = build_dcp_plan(COMPUTED, SCHEDULED, world, rank, interleave,
+        plan = build_dcp_plan(computed, scheduled, world, rank, interleave,
                               min_split_tokens=min_split)
         cache, table = _paged_shard(full, rank, world, interleave, page_size, device, dtype)
+        if kv_layout == "HND":  # [pages, Hkv, page_size, D]
+            cache = tuple(c.transpose(1, 2).contiguous() for c in cache)
         workspace = torch.empty(64 * 1024 * 1024, dtype=torch.uint8, device=device)
-        attn = DCPAttention(workspace, hq, hkv, dim, page_size, dtype, 1 / math.sqrt(dim))
+        attn = DCPAttention(workspace, hq, hkv, dim, page_size, dtype, 1 / math.sqrt(dim),
+                            kv_layout)
         attn.plan(plan, table)
         local = plan.pcp.local_token_indices.to(device)
         out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_step, v_step, cache)
@@ -81,4 +85,4 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
                                          plan.pcp.restore_indices.to(device))
         return restored.reshape(-1, hq, dim).float().cpu()
 
-    return group.run(rank_fn), expected_output(full, q)
+    return group.run(rank_fn), expected_output(full, q, computed, scheduled)

@@ -21,7 +21,8 @@ RAW = {"runs": [
 def test_ratios_use_medians():
     rows = bench_report._ttft_rows(RAW)
     assert [r["median_s"] for r in rows] == [0.59, 0.31]
-    assert bench_report.ratios(rows) == {"pcp1/pcp2@32768": round(0.59 / 0.31, 4)}
+    assert bench_report.ratios(rows) == {"pcp1/pcp2@32768": round(0.59 / 0.31, 4),
+                                         "pcp2/pcp1@32768": round(0.31 / 0.59, 4)}
 
 
 def test_write_reports(tmp_path, monkeypatch):
@@ -29,6 +30,7 @@ def test_write_reports(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_report, "plot", lambda rows, path: plotted.append(path))
     summary = bench_report.write_reports(RAW, {"git_rev": "abc"}, str(tmp_path))
     assert summary["failed_configs"] == {"tp2": "boom"}
+    assert summary["itl_ratios"] == {} and summary["kv_capacity_tokens"] == {}
     ttft = json.load(open(tmp_path / "ttft.json"))
     assert ttft["meta"] == {"git_rev": "abc"} and len(ttft["rows"]) == 2
     itl = json.load(open(tmp_path / "itl.json"))

@@ -68,3 +68,14 @@ def test_dcp_attention_matches_one_process(reference_flashinfer, world, interlea
     outs, expect = run_dcp_step(world, interleave, min_split, "cpu", torch.float32)
     for out in outs:
         torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("computed,scheduled", [
+    ([40, 1, 77], [1, 1, 1]),      # decode only: no split rows, no Q all-gather
+    ([0, 0], [64, 9]),             # fresh prefills: no context anywhere
+    ([3, 0], [1, 50])])            # a rank with no context tokens of request 0
+def test_dcp_attention_steps_without_split_context(reference_flashinfer, computed, scheduled):
+    outs, expect = run_dcp_step(2, 8, 2, "cpu", torch.float32, computed=computed,
+                                scheduled=scheduled)
+    for out in outs:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)

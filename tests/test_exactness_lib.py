@@ -54,11 +54,26 @@ def test_overlap_puts_one_gpu_configs_on_the_last_gpu(tmp_path, monkeypatch):
                                                          "config": c, "returncode": 0})
     raw = tmp_path / "raw.json"
     args = SimpleNamespace(models="a,b", variants="chunked", configs="pcp1,pcp2",
-                           overlap=True, fail_fast=False, raw=str(raw))
+                           overlap=True, lanes=1, fail_fast=False, raw=str(raw))
     ce.run(args)
     assert sorted(seen) == [("a", "chunked", "pcp1", "1"), ("a", "chunked", "pcp2", None),
                             ("b", "chunked", "pcp1", "1"), ("b", "chunked", "pcp2", None)]
     assert len(json.load(open(raw))["runs"]) == 4
+
+
+def test_lanes_spread_one_gpu_jobs_over_gpus_and_keep_every_job():
+    import check_exactness as ce
+
+    jobs = [(m, "chunked", c) for m in "abc" for c in ("pcp1", "pcp2", "pcp2-dcp2-i8")]
+    lanes = ce._lanes(jobs, overlap=True, lanes=2, gpus=2)
+    assert sorted(j for lane, _ in lanes for j in lane) == sorted(jobs)
+    single = [(lane, env) for lane, env in lanes if "CUDA_VISIBLE_DEVICES" in env]
+    assert sorted(env["CUDA_VISIBLE_DEVICES"] for _, env in single) == ["0", "1"]
+    assert all(j[2] == "pcp1" for lane, _ in single for j in lane)
+    assert len(lanes) == 4
+    assert ce._lanes(jobs, overlap=False, lanes=2, gpus=2) == [(jobs, {})]
+    three = ce._lanes(jobs, overlap=True, lanes=3, gpus=2, one_gpu_lanes=1)
+    assert [len(lane) for lane, _ in three] == [3, 2, 2, 2]
 
 
 def test_kv_capacity_compares_dcp_with_pcp_alone():

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
 from vllm.v1.attention.backends.flashinfer import (FlashInferBackend, FlashInferImpl,
                                                    FlashInferMetadataBuilder)
 
@@ -76,7 +77,9 @@ class PCPFlashInferImpl(FlashInferImpl):
             raise NotImplementedError("PCP x DCP does not fuse output quantization")
         exchange, n = attn_metadata.pcp_exchange, attn_metadata.num_local_tokens
         k_step, v_step = exchange.step_kv
-        cache = kv_cache.permute(*FlashInferBackend.get_kv_cache_stride_order())
+        # Zero-copy; a 1-kv-head cache gets TMA-legal strides, as vLLM's forward does.
+        cache = canonicalize_singleton_dim_strides(
+            kv_cache.permute(*FlashInferBackend.get_kv_cache_stride_order()))
         out = attn_metadata.attention.run(exchange.group, query[:n], k_step, v_step,
                                           cache.split(self.head_size, dim=-1))
         output[:n].copy_(out)

@@ -26,14 +26,20 @@ def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
                     page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's paged-KV arguments for rows of ``kv_len`` local tokens.
 
-    ``block_table`` is ``[R, max_pages]`` (one row per attention row). Returns
-    ``indptr [R + 1]``, ``indices [sum pages]`` and ``last_page_len [R]``, int32.
+    ``kv_len`` is ``[R]`` on the CPU; ``block_table`` is ``[R, max_pages]``
+    (one row per attention row) on any device. Returns ``indptr [R + 1]`` and
+    ``last_page_len [R]`` on the CPU and ``indices [sum pages]`` on the block
+    table's device, all int32. The page list is gathered by index, so the
+    device never has to report a count back (no synchronization).
     """
+    kv_len = kv_len.long()
     pages = (kv_len + page_size - 1) // page_size
-    indptr = torch.zeros(len(kv_len) + 1, dtype=torch.int32, device=kv_len.device)
+    indptr = torch.zeros(len(kv_len) + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(pages, 0)
-    cols = torch.arange(block_table.shape[1], device=block_table.device)
-    indices = block_table[cols.unsqueeze(0) < pages.to(block_table.device).unsqueeze(1)]
+    rows = torch.repeat_interleave(torch.arange(len(kv_len)), pages)
+    cols = torch.arange(int(indptr[-1])) - indptr[:-1].long().repeat_interleave(pages)
+    flat = (rows * block_table.shape[1] + cols).to(block_table.device, non_blocking=True)
+    indices = block_table.reshape(-1).index_select(0, flat)
     last = kv_len - (pages - 1).clamp(min=0) * page_size
     return indptr, indices.to(torch.int32), last.to(torch.int32)
 
@@ -64,31 +70,44 @@ class DCPAttention:
         self._rep = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout)
 
     def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor) -> None:
-        """``block_table``: ``[num_reqs, max_pages]`` int32 on the GPU."""
+        """Plan the step's kernels; every index the layers use goes to the device here.
+
+        ``block_table``: ``[num_reqs, max_pages]`` int32 on the GPU. Index
+        arguments stay on the CPU (FlashInfer plans on the host).
+        """
         dev = block_table.device
         hq, hkv, dim = self.heads
         self.plan_ = plan
-        self.new_kv_index = plan.new_kv_token_index.to(dev, non_blocking=True)
-        self._new.plan(plan.pcp.query_start_loc.to(dev), plan.new_kv_indptr.to(dev),
-                       hq, hkv, dim, causal=True, sm_scale=self.sm_scale,
-                       q_data_type=self.dtype, kv_data_type=self.dtype)
-        self.split_rows, self.split_query = self._plan_paged(self._split, plan.ctx_split,
-                                                             block_table)
-        self.rep_rows, self.rep_query = self._plan_paged(self._rep, plan.ctx_replicated,
-                                                         block_table)
 
-    def _plan_paged(self, wrapper, rows: AttentionRows, block_table: torch.Tensor):
+        def to_dev(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(dev, non_blocking=True)
+
+        self.new_kv_index = to_dev(plan.new_kv_token_index)
+        self._new.plan(plan.pcp.query_start_loc, plan.new_kv_indptr, hq, hkv, dim,
+                       causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype,
+                       kv_data_type=self.dtype)
+        split_query = self._plan_paged(self._split, plan.ctx_split, block_table)
+        rep_query = self._plan_paged(self._rep, plan.ctx_replicated, block_table)
+        rep_index = plan.ctx_replicated.query_index
+        self.split_query, self.owned_split = to_dev(split_query), to_dev(_owned_split_tokens(plan))
+        self.rep_query, self.rep_index = to_dev(rep_query), to_dev(rep_index)
+        self.rep_slot = (None if rep_query is None else
+                         to_dev(_positions_in(rep_index, rep_query)))
+
+    def _plan_paged(self, wrapper, rows: AttentionRows,
+                    block_table: torch.Tensor) -> torch.Tensor | None:
+        """Plan ``wrapper`` for the rows with context; their query rows (CPU), or None."""
         kept, query = _kept(rows)
         if len(kept.req) == 0:
-            return kept, None
-        dev = block_table.device
+            return None
         hq, hkv, dim = self.heads
-        table = block_table.index_select(0, kept.req.to(dev, dtype=torch.int64))
-        indptr, indices, last = paged_kv_layout(kept.kv_len.to(dev), table, self.page_size)
-        wrapper.plan(kept.qo_indptr.to(dev), indptr, indices, last, hq, hkv, dim,
+        table = block_table.index_select(
+            0, kept.req.to(block_table.device, dtype=torch.int64, non_blocking=True))
+        indptr, indices, last = paged_kv_layout(kept.kv_len, table, self.page_size)
+        wrapper.plan(kept.qo_indptr, indptr, indices, last, hq, hkv, dim,
                      self.page_size, causal=False, sm_scale=self.sm_scale,
                      q_data_type=self.dtype, kv_data_type=self.dtype)
-        return kept, query.to(dev)
+        return query
 
     def run(self, group, q_local: torch.Tensor, k_step: torch.Tensor, v_step: torch.Tensor,
             kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -96,12 +115,35 @@ class DCPAttention:
         ``kv_cache`` this rank's paged (K, V) in ``kv_layout``. Returns ``[L, Hq, D]``."""
         import flashinfer
 
-        pcp, n = self.plan_.pcp, group.world_size
-        padded, num_local = pcp.num_padded_tokens_per_rank, q_local.shape[0]
         out, lse = self._new.run(q_local, k_step.index_select(0, self.new_kv_index),
                                  v_step.index_select(0, self.new_kv_index), return_lse=True)
 
-        # Split rows: every rank's queries against this rank's shard, back to owners.
+        if len(self.plan_.ctx_split.query_index):  # the same row set on every rank
+            self._add_split_context(group, q_local, kv_cache, out, lse)
+
+        # Replicated rows: every rank holds the same queries; gather the partials.
+        rep_index = self.rep_index
+        if len(rep_index):
+            rep_out = q_local.new_zeros((len(rep_index), *q_local.shape[1:]))
+            rep_lse = torch.full((len(rep_index), q_local.shape[1]), float("-inf"),
+                                 device=q_local.device)
+            if self.rep_query is not None:
+                o, s = self._rep.run(q_local.index_select(0, self.rep_query), kv_cache,
+                                     return_lse=True)
+                rep_out[self.rep_slot], rep_lse[self.rep_slot] = o, s
+            ctx_o, ctx_s = flashinfer.merge_states(
+                group.all_gather(rep_out.unsqueeze(1), dim=1).contiguous(),
+                group.all_gather(rep_lse.unsqueeze(1), dim=1).contiguous())
+            out[rep_index], lse[rep_index] = flashinfer.merge_state(
+                ctx_o, ctx_s, out[rep_index], lse[rep_index])
+        return out
+
+    def _add_split_context(self, group, q_local, kv_cache, out, lse) -> None:
+        """Split rows: every rank's queries against this rank's shard, partials back
+        to their owners by all-to-all, merged into ``out``/``lse`` in place."""
+        import flashinfer
+
+        n, padded = group.world_size, self.plan_.pcp.num_padded_tokens_per_rank
         q_all = all_gather_padded(group, q_local, padded)
         part_out = q_local.new_zeros((n * padded, *q_local.shape[1:]))
         part_lse = torch.full((n * padded, q_local.shape[1]), float("-inf"),
@@ -111,37 +153,20 @@ class DCPAttention:
                                    return_lse=True)
             part_out[self.split_query], part_lse[self.split_query] = o, s
         recv_out, recv_lse = all_to_all(group, part_out), all_to_all(group, part_lse)
-        mine = self._owned_split_tokens()
+        mine = self.owned_split
         if mine is not None:
             ctx_o, ctx_s = flashinfer.merge_states(
                 recv_out.view(n, padded, *q_local.shape[1:])[:, mine].transpose(0, 1).contiguous(),
                 recv_lse.view(n, padded, -1)[:, mine].transpose(0, 1).contiguous())
             out[mine], lse[mine] = flashinfer.merge_state(ctx_o, ctx_s, out[mine], lse[mine])
 
-        # Replicated rows: every rank holds the same queries; gather the partials.
-        rep_index = self.plan_.ctx_replicated.query_index.to(q_local.device)
-        if len(rep_index):
-            rep_out = q_local.new_zeros((len(rep_index), *q_local.shape[1:]))
-            rep_lse = torch.full((len(rep_index), q_local.shape[1]), float("-inf"),
-                                 device=q_local.device)
-            if self.rep_query is not None:
-                o, s = self._rep.run(q_local.index_select(0, self.rep_query), kv_cache,
-                                     return_lse=True)
-                slot = _positions_in(rep_index, self.rep_query)
-                rep_out[slot], rep_lse[slot] = o, s
-            ctx_o, ctx_s = flashinfer.merge_states(
-                group.all_gather(rep_out.unsqueeze(1), dim=1).contiguous(),
-                group.all_gather(rep_lse.unsqueeze(1), dim=1).contiguous())
-            out[rep_index], lse[rep_index] = flashinfer.merge_state(
-                ctx_o, ctx_s, out[rep_index], lse[rep_index])
-        return out
 
-    def _owned_split_tokens(self) -> torch.Tensor | None:
-        """Local positions of this rank's split-row queries that have context."""
-        rank, padded = self.plan_.dcp_rank, self.plan_.pcp.num_padded_tokens_per_rank
-        index = self.plan_.ctx_split.query_index
-        mine = index[(index >= rank * padded) & (index < (rank + 1) * padded)] - rank * padded
-        return mine.to(self.new_kv_index.device) if len(mine) else None
+def _owned_split_tokens(plan: DCPAttentionPlan) -> torch.Tensor | None:
+    """Local positions of this rank's split-row queries that have context (CPU)."""
+    rank, padded = plan.dcp_rank, plan.pcp.num_padded_tokens_per_rank
+    index = plan.ctx_split.query_index
+    mine = index[(index >= rank * padded) & (index < (rank + 1) * padded)] - rank * padded
+    return mine if len(mine) else None
 
 
 def _positions_in(haystack: torch.Tensor, needles: torch.Tensor) -> torch.Tensor:

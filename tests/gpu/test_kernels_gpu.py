@@ -66,9 +66,21 @@ def test_chunk_rows_with_bottom_right_causal_mask():
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
 @pytest.mark.parametrize("min_split", [2, 16])
-def test_dcp_attention_on_flashinfer(world, interleave, min_split):
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_dcp_attention_on_flashinfer(world, interleave, min_split, kv_layout):
     from dcp_harness import run_dcp_step
 
-    outs, expect = run_dcp_step(world, interleave, min_split, "cuda", torch.bfloat16)
+    outs, expect = run_dcp_step(world, interleave, min_split, "cuda", torch.bfloat16,
+                                kv_layout=kv_layout)
+    for out in outs:
+        torch.testing.assert_close(out, expect, **TOL)
+
+
+@pytest.mark.parametrize("computed,scheduled", [([40, 1, 77], [1, 1, 1]), ([3, 0], [1, 50])])
+def test_dcp_attention_decode_and_thin_context_on_flashinfer(computed, scheduled):
+    from dcp_harness import run_dcp_step
+
+    outs, expect = run_dcp_step(2, 8, 2, "cuda", torch.bfloat16, hq=16, hkv=2, dim=128,
+                                computed=computed, scheduled=scheduled, kv_layout="HND")
     for out in outs:
         torch.testing.assert_close(out, expect, **TOL)
