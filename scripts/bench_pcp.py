@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -41,10 +40,20 @@ ONE_GPU = ("pcp1-stock", "pcp1")
 ITL_CONTEXT, ITL_TOKENS, ITL_BATCHES = 32768, 128, (1, 8)
 
 
-def _model_dir(config_json: str, out_dir: str) -> str:
+def _model_dir(config_json: str, out_dir: str, max_len: int) -> str:
+    """A dummy-weight model folder; positions cover ``max_len`` (a 128K prompt
+    plus the generated tokens; unscaled RoPE does not depend on the bound)."""
     os.makedirs(out_dir, exist_ok=True)
-    shutil.copy(config_json, os.path.join(out_dir, "config.json"))
+    with open(config_json) as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], max_len)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
     return out_dir
+
+
+def _max_len(prompt_lens: str) -> int:
+    return max(int(x) for x in prompt_lens.split(",")) + ITL_TOKENS + 8
 
 
 def _timed(llm, prompts, max_tokens: int) -> float:
@@ -63,7 +72,7 @@ def measure(args) -> None:
 
     lens = [int(x) for x in args.prompt_lens.split(",")]
     engine_kwargs, _ = CONFIGS[args.config]
-    max_len = max(lens) + ITL_TOKENS + 8
+    max_len = _max_len(args.prompt_lens)
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=max_len,
               max_num_seqs=max(ITL_BATCHES), enable_prefix_caching=True,
@@ -75,11 +84,21 @@ def measure(args) -> None:
         return [{"prompt_token_ids": rng.integers(100, 100_000, n).tolist()}
                 for _ in range(batch)]
 
+    cache = llm.llm_engine.vllm_config.cache_config
+    dcp = engine_kwargs.get("decode_context_parallel_size", 1)
     rows = []
+
+    def save() -> None:  # after every row: a later failure keeps what was measured
+        with open(args.out, "w") as f:
+            json.dump({"config": args.config, "rows": rows,
+                       "kv_capacity_tokens": cache.num_gpu_blocks * cache.block_size * dcp}, f)
+
+    save()
     for n in lens:
         _timed(llm, prompts(n, 1), 1)
         ttft = [_timed(llm, prompts(n, 1), 1) for _ in range(args.repeats)]
         rows.append({"kind": "ttft", "prompt_len": n, "ttft_s": ttft})
+        save()
         print(f"{args.config} ttft {n}: {statistics.median(ttft):.4f} s", flush=True)
     for batch in ITL_BATCHES:
         cached = prompts(ITL_CONTEXT, batch)
@@ -90,18 +109,14 @@ def measure(args) -> None:
             full = _timed(llm, cached, 1 + ITL_TOKENS)
             itl.append((full - first) / ITL_TOKENS)
         rows.append({"kind": "itl", "context": ITL_CONTEXT, "batch": batch, "itl_s": itl})
+        save()
         print(f"{args.config} itl batch {batch}: {statistics.median(itl) * 1e3:.2f} ms",
               flush=True)
-    cache = llm.llm_engine.vllm_config.cache_config
-    dcp = engine_kwargs.get("decode_context_parallel_size", 1)
-    with open(args.out, "w") as f:
-        json.dump({"config": args.config, "rows": rows,
-                   "kv_capacity_tokens": cache.num_gpu_blocks * cache.block_size * dcp}, f)
 
 
 def run(args) -> None:
     model = _model_dir(os.path.join(ROOT, "configs", "models", "qwen2.5-3b-shape.json"),
-                       "/tmp/bench-models/qwen2.5-3b-shape")
+                       "/tmp/bench-models/qwen2.5-3b-shape", _max_len(args.prompt_lens))
     from concurrent.futures import ThreadPoolExecutor
 
     from gpu_runs import run_worker, versions

@@ -66,7 +66,7 @@ def _model_dir(name: str, models_dir: str) -> str:
 
 
 def _run_one(args, tmp: str, model: str, variant: str, config: str, env: dict) -> dict:
-    out = os.path.join(tmp, f"{model}-{variant}-{config}.json")
+    out = os.path.join(tmp, f"{model}-{variant}-{config}-t{args.max_tokens}.json")
     cmd = [sys.executable, os.path.join(HERE, "exactness_worker.py"),
            "--model", _model_dir(model, args.models_dir), "--variant", variant,
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
@@ -134,6 +134,29 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+def collect(args) -> None:
+    """A raw file from worker outputs named ``MODEL-VARIANT-CONFIG-tN.json``
+    (``run`` writes them under /tmp/exactness-PID/), for runs whose raw file
+    did not come back."""
+    raw = {"versions": json.loads(args.versions), "runs": []}
+    for path in args.worker_json:
+        name = os.path.basename(path).removesuffix(".json")
+        name = name.rsplit("-t", 1)[0] if name.rsplit("-t", 1)[-1].isdigit() else name
+        config = max((c for c in CONFIGS if name.endswith("-" + c)), key=len)
+        model, variant = name.removesuffix("-" + config).rsplit("-", 1)
+        with open(path) as f:
+            data = json.load(f)
+        raw["runs"].append({"model": model, "variant": variant, "config": config,
+                            "returncode": 0, "results": data["results"],
+                            "kv_capacity_tokens": data.get("kv_capacity_tokens")})
+    with open(args.raw, "w") as f:
+        json.dump(raw, f)
+
+
+def _truncate(output: dict, tokens: int) -> dict:
+    return {"token_ids": output["token_ids"][:tokens], "logprobs": output["logprobs"][:tokens]}
+
+
 def compare(args) -> None:
     runs, host = {}, {}
     for path in args.raw:
@@ -157,7 +180,10 @@ def compare(args) -> None:
         base_cases = {c["case"]: c for c in base["results"]}
         for res in run["results"]:
             ref = base_cases[res["case"]]
-            per_prompt = [compare_outputs(a, b) for a, b in zip(res["outputs"], ref["outputs"])]
+            pairs = zip(res["outputs"], ref["outputs"])
+            if args.tokens:
+                pairs = [(_truncate(a, args.tokens), _truncate(b, args.tokens)) for a, b in pairs]
+            per_prompt = [compare_outputs(a, b) for a, b in pairs]
             diverged = [p["first_divergence"] for p in per_prompt
                         if p["first_divergence"] is not None]
             cases.append({"model": model, "config": label, "case": res["case"],
@@ -168,7 +194,9 @@ def compare(args) -> None:
                           "passed": all(p["passed"] for p in per_prompt)})
     meta = {"git_rev": args.git_rev, "command": args.command, "gpu": host.get("gpu"),
             "vllm": host.get("vllm"), "flashinfer": host.get("flashinfer"),
-            "torch": host.get("torch"), "date": datetime.date.today().isoformat()}
+            "torch": host.get("torch"), "date": args.date or datetime.date.today().isoformat()}
+    if args.tokens:
+        meta["compared_tokens"] = args.tokens
     if args.note:
         meta["note"] = args.note
     n = len(cases)
@@ -229,11 +257,20 @@ def main() -> None:
     c.add_argument("--command", required=True)
     c.add_argument("--out", required=True)
     c.add_argument("--note", default="", help="stored as meta.note")
+    c.add_argument("--tokens", type=int, default=0,
+                   help="compare only the first N generated tokens of each output")
+    c.add_argument("--date", default="", help="date of the GPU run (default: today)")
+    k = sub.add_parser("collect")
+    k.add_argument("--raw", required=True)
+    k.add_argument("--versions", required=True, help="JSON: gpu, torch, vllm, flashinfer")
+    k.add_argument("worker_json", nargs="+")
     args = ap.parse_args()
     if args.cmd == "models":
         build_models(args.out_dir, args.layers, args.device)
     elif args.cmd == "run":
         run(args)
+    elif args.cmd == "collect":
+        collect(args)
     else:
         compare(args)
 

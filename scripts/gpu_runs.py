@@ -27,15 +27,17 @@ def run_worker(cmd: list[str], out: str, key: str, entry: dict, env: dict | None
     """Run ``cmd`` (which writes JSON to ``out``); return ``entry`` with the
     return code, seconds, and ``out[key]`` and ``out[extra...]`` -- or the log
     tail on failure."""
+    if os.path.exists(out):
+        os.remove(out)  # never report an earlier run's file
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     entry = {**entry, "returncode": proc.returncode,
              "seconds": round(time.perf_counter() - start, 1)}
-    if proc.returncode == 0:
+    if proc.returncode == 0 or os.path.exists(out):  # a failed run may have saved a part
         with open(out) as f:
             data = json.load(f)
         entry.update({k: data[k] for k in (key, *extra) if k in data})
-    else:
+    if proc.returncode:
         entry["log_tail"] = (proc.stdout + proc.stderr)[-6000:]
     print(" ".join(str(v) for v in entry.values() if isinstance(v, (str, int, float))),
           flush=True)

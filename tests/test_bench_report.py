@@ -57,3 +57,16 @@ def test_serve_rows_read_vllm_bench_results(tmp_path):
          "mean_itl_ms": 9.5},
         {"config": "pcp2", "max_concurrency": 4, "num_prompts": 32, "p99_ttft_ms": 120.5,
          "mean_itl_ms": 9.5}]
+
+
+def test_bench_model_covers_the_longest_prompt_and_its_tokens(tmp_path):
+    import bench_pcp
+
+    src = os.path.join(os.path.dirname(__file__), "..", "configs", "models",
+                       "qwen2.5-3b-shape.json")
+    need = bench_pcp._max_len("4096,131072")
+    assert need > 131072
+    folder = bench_pcp._model_dir(src, str(tmp_path / "m"), need)
+    config = json.load(open(os.path.join(folder, "config.json")))
+    assert config["max_position_embeddings"] == need
+    assert config["num_hidden_layers"] == json.load(open(src))["num_hidden_layers"]

@@ -85,3 +85,22 @@ def test_kv_capacity_compares_dcp_with_pcp_alone():
     assert ce._kv_capacity(runs) == {"model": "m", "variant": "chunked", "pcp2_tokens": 1000,
                                      "pcp2_dcp2_tokens": 1990, "ratio": 1.99}
     assert ce._kv_capacity({("m", "chunked", "pcp2"): {"kv_capacity_tokens": 5}}) == {}
+
+
+def test_run_worker_keeps_a_failed_runs_saved_part_and_never_a_stale_file(tmp_path):
+    import json
+    import sys
+
+    from gpu_runs import run_worker
+
+    out = tmp_path / "w.json"
+    out.write_text(json.dumps({"rows": ["stale"]}))
+    script = ("import json, sys; json.dump({'rows': [1], 'kv': 7}, open(sys.argv[1], 'w'));"
+              " sys.exit(3)")
+    entry = run_worker([sys.executable, "-c", script, str(out)], str(out), "rows",
+                       {"config": "x"}, extra=("kv",))
+    assert entry["returncode"] == 3 and entry["rows"] == [1] and entry["kv"] == 7
+    assert "log_tail" in entry
+    entry = run_worker([sys.executable, "-c", "import sys; sys.exit(1)"], str(out), "rows",
+                       {"config": "x"})
+    assert entry["returncode"] == 1 and "rows" not in entry

@@ -307,3 +307,35 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
     assert made == [("ws", 8, 2, 64, 16, torch.bfloat16, 0.125, "HND")]
     assert first.attention is second.attention and second.attention.planned == (plan, "table2")
     assert second.num_local_tokens == 7 and second.pcp_exchange == "exchange"
+
+
+def test_row_buffers_hold_two_rows_per_request():
+    """8 split requests at max_num_seqs 8 are 16 rows per rank: the builder's
+    per-row buffers must take them (the stock size failed on 2 x H200)."""
+    import numpy as np
+    from vllm.v1.utils import CpuGpuBuffer
+
+    from vllm_pcp.backend import grow_row_buffers
+    from vllm_pcp.partition import build_pcp_metadata
+
+    builder = object.__new__(PCPFlashInferMetadataBuilder)
+    builder.pin_memory = False
+    builder._make_buffer = lambda *size: CpuGpuBuffer(*size, dtype=torch.int32,
+                                                      device="cpu", pin_memory=False,
+                                                      with_numpy=True)
+    max_num_seqs, pages_per_req = 8, 5
+    builder.paged_kv_indptr = builder._make_buffer(max_num_seqs + 1)
+    builder.paged_kv_indices = builder._make_buffer(max_num_seqs * pages_per_req)
+    builder.paged_kv_last_page_len = builder._make_buffer(max_num_seqs)
+    plan = build_pcp_metadata([0] * 8, [64] * 8, 2, 0)
+    assert plan.num_rows == 16
+    with pytest.raises(ValueError):
+        np.cumsum(np.ones(plan.num_rows), out=builder.paged_kv_indptr.np[1:plan.num_rows + 1])
+    grow_row_buffers(builder, 2 * max_num_seqs)
+    np.cumsum(np.ones(plan.num_rows, dtype=np.int32),
+              out=builder.paged_kv_indptr.np[1:plan.num_rows + 1])
+    assert builder.paged_kv_indptr_cpu_buffer.shape == (2 * max_num_seqs + 1,)
+    assert builder.paged_kv_indices.cpu.shape == (2 * max_num_seqs * pages_per_req,)
+    assert builder.paged_kv_last_page_len.cpu.shape == (2 * max_num_seqs,)
+    grow_row_buffers(builder, 4)  # never shrinks
+    assert builder.paged_kv_last_page_len.cpu.shape == (2 * max_num_seqs,)

@@ -87,9 +87,19 @@ class PCPFlashInferImpl(FlashInferImpl):
 
 
 class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
-    """Stock planning; carries the step's :class:`PCPKVExchange` to the layers."""
+    """Stock planning; carries the step's :class:`PCPKVExchange` to the layers.
+
+    A split request is two attention rows on every rank (its chunks r and
+    2N-1-r), so a PCP step has up to ``2 * max_num_seqs`` rows: the builder's
+    per-row buffers, sized by vLLM for ``max_num_seqs``, are made twice as long.
+    """
 
     _dcp_attention = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if vllm_config.parallel_config.prefill_context_parallel_size > 1:
+            grow_row_buffers(self, 2 * vllm_config.scheduler_config.max_num_seqs)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -110,6 +120,20 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 self.global_hyperparameters.sm_scale, get_kv_cache_layout())
         self._dcp_attention.plan(plan, block_table)
         return PCPDCPMetadata(self._dcp_attention, exchange, plan.pcp.num_local_tokens)
+
+
+def grow_row_buffers(builder: FlashInferMetadataBuilder, max_rows: int) -> None:
+    """Re-make the builder's per-row paged-KV buffers for ``max_rows`` rows, keeping
+    the pages-per-row bound vLLM sized them with. Never shrinks them."""
+    rows = builder.paged_kv_last_page_len.cpu.shape[0]
+    if max_rows <= rows:
+        return
+    pages_per_row = builder.paged_kv_indices.cpu.shape[0] // rows
+    builder.paged_kv_indptr = builder._make_buffer(max_rows + 1)
+    builder.paged_kv_indptr_cpu_buffer = torch.zeros_like(
+        builder.paged_kv_indptr.cpu, pin_memory=builder.pin_memory)
+    builder.paged_kv_indices = builder._make_buffer(max_rows * pages_per_row)
+    builder.paged_kv_last_page_len = builder._make_buffer(max_rows)
 
 
 class PCPFlashInferBackend(FlashInferBackend):
