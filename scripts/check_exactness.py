@@ -186,12 +186,15 @@ def compare(args) -> None:
             per_prompt = [compare_outputs(a, b) for a, b in pairs]
             diverged = [p["first_divergence"] for p in per_prompt
                         if p["first_divergence"] is not None]
-            cases.append({"model": model, "config": label, "case": res["case"],
-                          "prompt_lens": res["prompt_lens"],
-                          "first_divergence": min(diverged) if diverged else None,
-                          "max_abs_logprob_diff": max(p["max_abs_logprob_diff"]
-                                                      for p in per_prompt),
-                          "passed": all(p["passed"] for p in per_prompt)})
+            case = {"model": model, "config": label, "case": res["case"],
+                    "prompt_lens": res["prompt_lens"],
+                    "first_divergence": min(diverged) if diverged else None,
+                    "max_abs_logprob_diff": max(p["max_abs_logprob_diff"] for p in per_prompt),
+                    "passed": all(p["passed"] for p in per_prompt)}
+            margins = [p["baseline_margin"] for p in per_prompt if "baseline_margin" in p]
+            if margins:
+                case["max_baseline_margin"] = max(margins)
+            cases.append(case)
     meta = {"git_rev": args.git_rev, "command": args.command, "gpu": host.get("gpu"),
             "vllm": host.get("vllm"), "flashinfer": host.get("flashinfer"),
             "torch": host.get("torch"), "date": args.date or datetime.date.today().isoformat()}
@@ -202,7 +205,10 @@ def compare(args) -> None:
     n = len(cases)
     summary = {"cases": n, "passed": sum(c["passed"] for c in cases),
                "no_divergence": sum(c["passed"] and c["first_divergence"] is None
-                                    for c in cases)}
+                                    for c in cases),
+               "max_baseline_margin_at_divergence": max(
+                   (c["max_baseline_margin"] for c in cases if "max_baseline_margin" in c),
+                   default=None)}
     result = {"meta": meta, "summary": summary, "cases": cases}
     capacity = _kv_capacity(runs)
     if capacity:

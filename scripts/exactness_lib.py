@@ -49,7 +49,9 @@ def compare_outputs(a: dict, b: dict, top_k: int = 5) -> dict:
     """Compare two greedy outputs ``{"token_ids": [...], "logprobs": [{tok: lp}]}``.
 
     Returns ``first_divergence`` (None if identical), ``max_abs_logprob_diff``
-    of the chosen tokens before it, and ``passed``.
+    of the chosen tokens before it, ``passed``, and at a divergence inside the
+    top-k ``baseline_margin``: how much more ``b`` (the baseline) preferred its
+    own token to ``a``'s there (small: a near tie that rounding can flip).
     """
     ta, tb = a["token_ids"], b["token_ids"]
     la, lb = a["logprobs"], b["logprobs"]
@@ -64,6 +66,9 @@ def compare_outputs(a: dict, b: dict, top_k: int = 5) -> dict:
         passed = False
     else:
         passed = ta[first] in _top_k(lb[first], top_k) and tb[first] in _top_k(la[first], top_k)
-    return {"first_divergence": first,
-            "max_abs_logprob_diff": round(max(diffs, default=0.0), 6),
-            "passed": bool(passed)}
+    out = {"first_divergence": first,
+           "max_abs_logprob_diff": round(max(diffs, default=0.0), 6),
+           "passed": bool(passed)}
+    if passed and first is not None:
+        out["baseline_margin"] = round(lb[first][str(tb[first])] - lb[first][str(ta[first])], 6)
+    return out

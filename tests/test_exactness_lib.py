@@ -22,7 +22,7 @@ def test_divergence_passes_only_inside_each_others_top_k():
     a = _out([5, 7], [{5: -0.1}, {7: -0.6, 8: -0.7}])
     b = _out([5, 8], [{5: -0.1}, {8: -0.6, 7: -0.7}])
     assert compare_outputs(a, b) == {"first_divergence": 1, "max_abs_logprob_diff": 0.0,
-                                     "passed": True}
+                                     "passed": True, "baseline_margin": 0.1}
     c = _out([5, 3], [{5: -0.1}, {3: -0.5, 8: -0.7}])  # 3 not in b's top-k
     assert not compare_outputs(c, b)["passed"]
     assert not compare_outputs(a, b, top_k=1)["passed"]
