@@ -35,6 +35,9 @@ CONFIGS = {
     "tp2": ({"tensor_parallel_size": 2}, {}),
     "pcp2-dcp2": ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2,
                    "additional_config": {"pcp_unverified_dcp": True}}, {}),
+    "pcp2-dcp2-fp32": ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2,
+                        "additional_config": {"pcp_unverified_dcp": True,
+                                              "pcp_dcp_fp32_partials": True}}, {}),
 }
 ONE_GPU = ("pcp1-stock", "pcp1")
 ITL_CONTEXT, ITL_TOKENS, ITL_BATCHES = 32768, 128, (1, 8)

@@ -58,6 +58,12 @@ def run_cases(llm, cases, max_tokens: int = MAX_TOKENS) -> list[dict]:
     return results
 
 
+def _knobs(args) -> dict:
+    if args.dcp == 1:
+        return {}
+    return {"pcp_unverified_dcp": True, "pcp_dcp_fp32_partials": args.dcp_fp32_partials}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -68,6 +74,8 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true", help="Ray as the distributed executor")
     ap.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     ap.add_argument("--interleave", type=int, default=1, help="--cp-kv-cache-interleave-size")
+    ap.add_argument("--dcp-fp32-partials", action="store_true",
+                    help="knob pcp_dcp_fp32_partials: float32 partial states under DCP")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--attention-backend", default="FLASHINFER",
                     help="the same kernel on both sides of a comparison; PCP runs on "
@@ -95,7 +103,7 @@ def main() -> None:
               decode_context_parallel_size=args.dcp,
               cp_kv_cache_interleave_size=args.interleave,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              additional_config={"pcp_unverified_dcp": True} if args.dcp > 1 else {})
+              additional_config=_knobs(args))
     cache = llm.llm_engine.vllm_config.cache_config
     # With DCP one scheduler block spans block_size tokens on each of the DCP ranks.
     kv_capacity_tokens = cache.num_gpu_blocks * cache.block_size * args.dcp

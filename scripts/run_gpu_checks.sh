@@ -10,7 +10,8 @@
 #   exact-pcp  PCP=2 vs PCP=1 on the random models and SmolLM2 (/tmp/models/smollm2-135m),
 #              chunked prefill on and off, plus CUDA graphs and Ray; engines side by side
 #              in lanes, each on a fixed 2 GiB KV pool (no memory profiling to disturb)
-#   exact-dcp  PCP x DCP at interleave 1, 8, 16 against PCP=1, 256 greedy tokens
+#   exact-dcp  PCP x DCP at interleave 1, 8, 16 (and 8 with float32 partial states)
+#              against PCP=1, 256 greedy tokens
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens
 #   serve      vllm serve chat at PCP=1 and PCP=2, and gsm8k through lm-eval at PCP=1,
@@ -43,8 +44,9 @@ case "$stage" in
     wait; tail -n 30 "$work"/pcp.log "$work"/more.log ;;
   exact-dcp)
     ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
-    lanes --lanes 6 --one-gpu-lanes 2 --models "$models" --variants chunked --max-tokens 256 \
-      --configs pcp1,pcp2-dcp2-i1,pcp2-dcp2-i8,pcp2-dcp2-i16 --raw "$work/raw-dcp.json" \
+    lanes --lanes 8 --one-gpu-lanes 2 --models "$models" --variants chunked --max-tokens 256 \
+      --configs pcp1,pcp2-dcp2-i1,pcp2-dcp2-i8,pcp2-dcp2-i16,pcp2-dcp2-i8-fp32 \
+      --raw "$work/raw-dcp.json" \
       > "$work/dcp.log" 2>&1 &
     lanes --lanes 1 --models qwen2.5-3b-shape --variants unchunked --max-tokens 256 \
       --configs pcp1,pcp2-dcp2-i8 --raw "$work/raw-dcp-unchunked.json" \

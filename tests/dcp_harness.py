@@ -60,8 +60,13 @@ def _paged_shard(full, rank, world, interleave, page_size, device, dtype):
 
 
 def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
-                 page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD"):
+                 page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD",
+                 partial_dtype=None):
+    """Each rank's restored output (in the attention's output dtype) and the float32
+    reference computed from the same ``dtype``-rounded inputs."""
     full, q = make_batch(hq, hkv, dim, world * 100 + interleave, computed, scheduled)
+    full = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in full]
+    q = q.to(dtype).float()
     token_start = torch.tensor([0, *scheduled]).cumsum(0)
     k_step = torch.cat([k[c:] for (k, _), c in zip(full, computed)]).to(device, dtype)
     v_step = torch.cat([v[c:] for (_, v), c in zip(full, computed)]).to(device, dtype)
@@ -76,13 +81,13 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
             cache = tuple(c.transpose(1, 2).contiguous() for c in cache)
         workspace = torch.empty(64 * 1024 * 1024, dtype=torch.uint8, device=device)
         attn = DCPAttention(workspace, hq, hkv, dim, page_size, dtype, 1 / math.sqrt(dim),
-                            kv_layout)
+                            kv_layout, partial_dtype)
         attn.plan(plan, table)
         local = plan.pcp.local_token_indices.to(device)
         out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_step, v_step, cache)
         restored = restore_hidden_states(group.rank(rank), out.reshape(out.shape[0], -1),
                                          plan.pcp.num_padded_tokens_per_rank,
                                          plan.pcp.restore_indices.to(device))
-        return restored.reshape(-1, hq, dim).float().cpu()
+        return restored.reshape(-1, hq, dim).cpu()
 
     return group.run(rank_fn), expected_output(full, q, computed, scheduled)

@@ -48,6 +48,7 @@ def test_pcp1_and_mla_are_left_to_vllm(cfg):
     (dict(decode_context_parallel_size=2, dcp_comm_backend="a2a",
           additional_config={"pcp_unverified_dcp": True}), "--dcp-comm-backend a2a"),
     (dict(additional_config={"pcp_unverified_dcp": "yes"}), "pcp_unverified_dcp"),
+    (dict(additional_config={"pcp_dcp_fp32_partials": 1}), "pcp_dcp_fp32_partials"),
     (dict(speculative_config=object()), "--speculative-config"),
     (dict(lora_config=object()), "--enable-lora"),
     (dict(is_multimodal_model=True), "multimodal"),
@@ -76,6 +77,8 @@ def test_flashinfer_may_be_requested_explicitly():
 
 def test_knobs():
     assert PCPKnobs.from_additional_config({}).min_split_tokens == 2
+    assert not PCPKnobs.from_additional_config({}).dcp_fp32_partials
+    assert PCPKnobs.from_additional_config({"pcp_dcp_fp32_partials": True}).dcp_fp32_partials
     assert PCPKnobs.from_additional_config({"pcp_min_split_tokens": 4096}).min_split_tokens == 4096
     for bad in ("8", 1.5, True, -3):
         with pytest.raises(PCPConfigError):

@@ -10,55 +10,77 @@ from dcp_harness import run_dcp_step
 from vllm_pcp import reference
 
 
-class _Ragged:
-    def __init__(self, workspace, layout):
-        pass
+class _Wrapper:
+    """FlashInfer's contract as used here: ``out`` must have the planned
+    ``o_data_type`` (default: the query dtype); results are written into it."""
 
+    def __init__(self, workspace, layout, backend="auto"):
+        assert layout == "NHD" and backend in ("auto", "fa2")
+
+    def _plan_common(self, q_data_type, o_data_type=None, **kw):
+        self.o_dtype = o_data_type or q_data_type
+
+    def _finish(self, out, lse, into, return_lse):
+        assert into is not None and into.dtype == self.o_dtype, "out must be o_data_type"
+        into.copy_(out)
+        return (into, lse) if return_lse else into
+
+
+class _Ragged(_Wrapper):
     def plan(self, qo_indptr, kv_indptr, hq, hkv, dim, causal=False, **kw):
         self.qo, self.kv, self.causal = qo_indptr.cpu(), kv_indptr.cpu(), causal
+        self._plan_common(**kw)
 
-    def run(self, q, k, v, return_lse=False):
-        out = _rows(q, self.qo, lambda r: (k[self.kv[r]:self.kv[r + 1]],
-                                           v[self.kv[r]:self.kv[r + 1]]), self.causal)
-        return out if return_lse else out[0]
+    def run(self, q, k, v, out=None, return_lse=False):
+        o, lse = _rows(q, self.qo, lambda r: (k[self.kv[r]:self.kv[r + 1]],
+                                              v[self.kv[r]:self.kv[r + 1]]), self.causal)
+        return self._finish(o, lse, out, return_lse)
 
 
-class _Paged:
-    def __init__(self, workspace, layout):
-        assert layout == "NHD"
-
+class _Paged(_Wrapper):
     def plan(self, qo_indptr, indptr, indices, last, hq, hkv, dim, page_size,
              causal=False, **kw):
         self.qo, self.indptr, self.indices = qo_indptr.cpu(), indptr.cpu(), indices.cpu()
         self.last, self.causal = last.cpu(), causal
+        self._plan_common(**kw)
 
-    def run(self, q, kv_cache, return_lse=False):
+    def run(self, q, kv_cache, out=None, return_lse=False):
         k_cache, v_cache = kv_cache
 
         def kv(r):
             pages = self.indices[self.indptr[r]:self.indptr[r + 1]].long()
             n = (len(pages) - 1) * k_cache.shape[1] + int(self.last[r])
             return (k_cache[pages].flatten(0, 1)[:n], v_cache[pages].flatten(0, 1)[:n])
-        out = _rows(q, self.qo, kv, self.causal)
-        return out if return_lse else out[0]
+        o, lse = _rows(q, self.qo, kv, self.causal)
+        return self._finish(o, lse, out, return_lse)
 
 
 def _rows(q, qo, kv_of_row, causal):
-    out = torch.zeros(q.shape, dtype=q.dtype)
+    out = torch.zeros(q.shape)
     lse = torch.zeros(q.shape[:2])
     for r in range(len(qo) - 1):
         k, v = kv_of_row(r)
-        o, s = reference.causal_attention(q[qo[r]:qo[r + 1]], k, v, causal=causal)
-        out[qo[r]:qo[r + 1]], lse[qo[r]:qo[r + 1]] = o.to(q.dtype), s
+        o, s = reference.causal_attention(q[qo[r]:qo[r + 1]].float(), k.float(), v.float(),
+                                          causal=causal)
+        out[qo[r]:qo[r + 1]], lse[qo[r]:qo[r + 1]] = o, s
     return out, lse
+
+
+def _merge_16bit(merge):
+    """FlashInfer's merge kernels: 16-bit values in, the same dtype out."""
+    def run(v, *rest):
+        assert v.dtype in (torch.float16, torch.bfloat16), "merge kernels take 16-bit values"
+        o, s = merge(v, *rest)
+        return o.to(v.dtype), s
+    return run
 
 
 @pytest.fixture
 def reference_flashinfer(monkeypatch):
     fake = SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=_Ragged,
                            BatchPrefillWithPagedKVCacheWrapper=_Paged,
-                           merge_state=reference.merge_state,
-                           merge_states=reference.merge_states)
+                           merge_state=_merge_16bit(reference.merge_state),
+                           merge_states=_merge_16bit(reference.merge_states))
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
 
 
@@ -67,6 +89,26 @@ def reference_flashinfer(monkeypatch):
 def test_dcp_attention_matches_one_process(reference_flashinfer, world, interleave, min_split):
     outs, expect = run_dcp_step(world, interleave, min_split, "cpu", torch.float32)
     for out in outs:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 8)])
+def test_bf16_partials_are_merged_by_flashinfer(reference_flashinfer, world, interleave):
+    """bf16 model: partial states in bf16, merged by FlashInfer's 16-bit kernels."""
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.bfloat16)
+    for out in outs:
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expect, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 8)])
+def test_fp32_partials_stay_float32_to_the_end(reference_flashinfer, world, interleave):
+    """bf16 model, float32 partial states: no exchange or merge rounds to bf16, so
+    the result equals the float32 reference on the same bf16 inputs."""
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.bfloat16,
+                                partial_dtype=torch.float32)
+    for out in outs:
+        assert out.dtype == torch.float32
         torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
 
 

@@ -26,10 +26,15 @@ class PCPKnobs:
         computed whole on every rank instead of being split (``pcp_min_split_tokens``).
     unverified_dcp : allow ``-dcp`` equal to ``-pcp`` before its GPU check has
         passed (``pcp_unverified_dcp``); for running that check.
+    dcp_fp32_partials : under PCP x DCP, keep the partial attention states in
+        float32 until the last merge (``pcp_dcp_fp32_partials``): one bf16
+        rounding instead of one per piece, at twice the bytes of the context
+        exchange and FlashInfer's FA2 kernels.
     """
 
     min_split_tokens: int = 2
     unverified_dcp: bool = False
+    dcp_fp32_partials: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> PCPKnobs:
@@ -39,11 +44,14 @@ class PCPKnobs:
             raise PCPConfigError(
                 f"--additional-config pcp_min_split_tokens must be a non-negative "
                 f"integer, got {value!r}")
-        unverified = raw.get("pcp_unverified_dcp", False)
-        if not isinstance(unverified, bool):
-            raise PCPConfigError(f"--additional-config pcp_unverified_dcp must be true or "
-                                 f"false, got {unverified!r}")
-        return cls(min_split_tokens=value, unverified_dcp=unverified)
+        flags = {}
+        for key in ("pcp_unverified_dcp", "pcp_dcp_fp32_partials"):
+            flags[key] = raw.get(key, False)
+            if not isinstance(flags[key], bool):
+                raise PCPConfigError(f"--additional-config {key} must be true or false, "
+                                     f"got {flags[key]!r}")
+        return cls(min_split_tokens=value, unverified_dcp=flags["pcp_unverified_dcp"],
+                   dcp_fp32_partials=flags["pcp_dcp_fp32_partials"])
 
 
 def _attention_backend_name(vllm_config) -> str | None:

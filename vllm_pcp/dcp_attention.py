@@ -10,6 +10,12 @@ calls, mirroring :func:`vllm_pcp.reference.pcp_dcp_rank_attention`:
     replicated ctx  the same kernel over this rank's own copies -> all-gather
     merge           flashinfer.merge_states / merge_state, base-2 LSE
 
+With ``partial_dtype=torch.float32`` the three kernels (FlashInfer's FA2, which
+writes float32 outputs) return float32 partial states, the exchanges carry
+them, and the merges run in float32 (plain torch, :mod:`vllm_pcp.reference`;
+FlashInfer's merge kernels take 16-bit values): the result is rounded to the
+model dtype once, as a one-GPU attention output is.
+
 This rank's shard is a plain paged sequence: local token o lives at
 ``block_table[o // page_size]``, slot ``o % page_size`` (vLLM's DCP slot
 mapping), and a request keeps ``dcp_local_seq_len`` of its tokens.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_pcp import reference
 from vllm_pcp.dcp_plan import AttentionRows, DCPAttentionPlan
 from vllm_pcp.exchange import all_gather_padded, all_to_all
 
@@ -60,14 +67,22 @@ class DCPAttention:
 
     def __init__(self, workspace: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, dtype: torch.dtype, sm_scale: float,
-                 kv_layout: str = "NHD"):
+                 kv_layout: str = "NHD", partial_dtype: torch.dtype | None = None):
         import flashinfer
 
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.page_size, self.dtype, self.sm_scale = page_size, dtype, sm_scale
-        self._new = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
-        self._split = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout)
-        self._rep = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout)
+        self.partial_dtype = partial_dtype or dtype
+        fp32 = self.partial_dtype == torch.float32
+        backend = "fa2" if fp32 else "auto"
+        self._merge_state = reference.merge_state if fp32 else flashinfer.merge_state
+        self._merge_states = reference.merge_states if fp32 else flashinfer.merge_states
+        self._new = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD",
+                                                                    backend=backend)
+        self._split = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout,
+                                                                     backend=backend)
+        self._rep = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout,
+                                                                   backend=backend)
 
     def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor) -> None:
         """Plan the step's kernels; every index the layers use goes to the device here.
@@ -85,7 +100,7 @@ class DCPAttention:
         self.new_kv_index = to_dev(plan.new_kv_token_index)
         self._new.plan(plan.pcp.query_start_loc, plan.new_kv_indptr, hq, hkv, dim,
                        causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype,
-                       kv_data_type=self.dtype)
+                       kv_data_type=self.dtype, o_data_type=self.partial_dtype)
         split_query = self._plan_paged(self._split, plan.ctx_split, block_table)
         rep_query = self._plan_paged(self._rep, plan.ctx_replicated, block_table)
         rep_index = plan.ctx_replicated.query_index
@@ -106,17 +121,18 @@ class DCPAttention:
         indptr, indices, last = paged_kv_layout(kept.kv_len, table, self.page_size)
         wrapper.plan(kept.qo_indptr, indptr, indices, last, hq, hkv, dim,
                      self.page_size, causal=False, sm_scale=self.sm_scale,
-                     q_data_type=self.dtype, kv_data_type=self.dtype)
+                     q_data_type=self.dtype, kv_data_type=self.dtype,
+                     o_data_type=self.partial_dtype)
         return query
 
     def run(self, group, q_local: torch.Tensor, k_step: torch.Tensor, v_step: torch.Tensor,
             kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``q_local [L, Hq, D]``, ``k_step/v_step [T, Hkv, D]`` (step order),
-        ``kv_cache`` this rank's paged (K, V) in ``kv_layout``. Returns ``[L, Hq, D]``."""
-        import flashinfer
-
+        ``kv_cache`` this rank's paged (K, V) in ``kv_layout``. Returns ``[L, Hq, D]``
+        in ``partial_dtype``."""
         out, lse = self._new.run(q_local, k_step.index_select(0, self.new_kv_index),
-                                 v_step.index_select(0, self.new_kv_index), return_lse=True)
+                                 v_step.index_select(0, self.new_kv_index),
+                                 out=self._out_like(q_local), return_lse=True)
 
         if len(self.plan_.ctx_split.query_index):  # the same row set on every rank
             self._add_split_context(group, q_local, kv_cache, out, lse)
@@ -124,41 +140,48 @@ class DCPAttention:
         # Replicated rows: every rank holds the same queries; gather the partials.
         rep_index = self.rep_index
         if len(rep_index):
-            rep_out = q_local.new_zeros((len(rep_index), *q_local.shape[1:]))
+            rep_out = q_local.new_zeros((len(rep_index), *q_local.shape[1:]),
+                                        dtype=self.partial_dtype)
             rep_lse = torch.full((len(rep_index), q_local.shape[1]), float("-inf"),
                                  device=q_local.device)
             if self.rep_query is not None:
-                o, s = self._rep.run(q_local.index_select(0, self.rep_query), kv_cache,
+                q_rep = q_local.index_select(0, self.rep_query)
+                o, s = self._rep.run(q_rep, kv_cache, out=self._out_like(q_rep),
                                      return_lse=True)
                 rep_out[self.rep_slot], rep_lse[self.rep_slot] = o, s
-            ctx_o, ctx_s = flashinfer.merge_states(
+            ctx_o, ctx_s = self._merge_states(
                 group.all_gather(rep_out.unsqueeze(1), dim=1).contiguous(),
                 group.all_gather(rep_lse.unsqueeze(1), dim=1).contiguous())
-            out[rep_index], lse[rep_index] = flashinfer.merge_state(
+            out[rep_index], lse[rep_index] = self._merge_state(
                 ctx_o, ctx_s, out[rep_index], lse[rep_index])
         return out
+
+    def _out_like(self, q: torch.Tensor) -> torch.Tensor:
+        """An output buffer in ``partial_dtype``; passed explicitly, since FlashInfer's
+        ragged wrapper sizes a missing one by the query dtype, not ``o_data_type``."""
+        return torch.empty(q.shape, dtype=self.partial_dtype, device=q.device)
 
     def _add_split_context(self, group, q_local, kv_cache, out, lse) -> None:
         """Split rows: every rank's queries against this rank's shard, partials back
         to their owners by all-to-all, merged into ``out``/``lse`` in place."""
-        import flashinfer
-
         n, padded = group.world_size, self.plan_.pcp.num_padded_tokens_per_rank
         q_all = all_gather_padded(group, q_local, padded)
-        part_out = q_local.new_zeros((n * padded, *q_local.shape[1:]))
+        part_out = q_local.new_zeros((n * padded, *q_local.shape[1:]),
+                                     dtype=self.partial_dtype)
         part_lse = torch.full((n * padded, q_local.shape[1]), float("-inf"),
                               device=q_local.device)
         if self.split_query is not None:
-            o, s = self._split.run(q_all.index_select(0, self.split_query), kv_cache,
+            q_split = q_all.index_select(0, self.split_query)
+            o, s = self._split.run(q_split, kv_cache, out=self._out_like(q_split),
                                    return_lse=True)
             part_out[self.split_query], part_lse[self.split_query] = o, s
         recv_out, recv_lse = all_to_all(group, part_out), all_to_all(group, part_lse)
         mine = self.owned_split
         if mine is not None:
-            ctx_o, ctx_s = flashinfer.merge_states(
+            ctx_o, ctx_s = self._merge_states(
                 recv_out.view(n, padded, *q_local.shape[1:])[:, mine].transpose(0, 1).contiguous(),
                 recv_lse.view(n, padded, -1)[:, mine].transpose(0, 1).contiguous())
-            out[mine], lse[mine] = flashinfer.merge_state(ctx_o, ctx_s, out[mine], lse[mine])
+            out[mine], lse[mine] = self._merge_state(ctx_o, ctx_s, out[mine], lse[mine])
 
 
 def _owned_split_tokens(plan: DCPAttentionPlan) -> torch.Tensor | None:
