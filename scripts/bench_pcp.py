@@ -76,11 +76,18 @@ def measure(args) -> None:
     lens = [int(x) for x in args.prompt_lens.split(",")]
     engine_kwargs, _ = CONFIGS[args.config]
     max_len = _max_len(args.prompt_lens)
+    extra = {}
+    if args.profile_len:
+        from vllm.config import ProfilerConfig
+
+        extra["profiler_config"] = ProfilerConfig(
+            profiler="torch", torch_profiler_dir=os.path.abspath(args.profile_dir),
+            torch_profiler_with_stack=False, torch_profiler_use_gzip=True)
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=max_len,
               max_num_seqs=max(ITL_BATCHES), enable_prefix_caching=True,
               gpu_memory_utilization=0.85, attention_backend="FLASHINFER",
-              enforce_eager=args.eager, seed=0, **engine_kwargs)
+              enforce_eager=args.eager, seed=0, **engine_kwargs, **extra)
     rng = np.random.default_rng(0)
 
     def prompts(n, batch):
@@ -115,6 +122,10 @@ def measure(args) -> None:
         save()
         print(f"{args.config} itl batch {batch}: {statistics.median(itl) * 1e3:.2f} ms",
               flush=True)
+    if args.profile_len:  # after the timings: one prefill under torch.profiler, every rank
+        llm.start_profile()
+        _timed(llm, prompts(args.profile_len, 1), 1)
+        llm.stop_profile()  # profiler_out_RANK.txt: kernels by CUDA time
 
 
 def run(args) -> None:
@@ -131,7 +142,10 @@ def run(args) -> None:
         out = f"/tmp/bench-{config}.json"
         cmd = [sys.executable, __file__, "measure", "--config", config, "--model", model,
                "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
-               "--out", out] + (["--eager"] if args.eager else [])
+               "--out", out] + (["--eager"] if args.eager else []) + (
+                   ["--profile-len", str(args.profile_len), "--profile-dir",
+                    os.path.join(os.path.dirname(os.path.abspath(args.raw)),
+                                 f"profile-{config}")] if args.profile_len else [])
         raw["runs"].append(run_worker(cmd, out, "rows", {"config": config},
                                       {**CONFIGS[config][1], **env},
                                       extra=("kv_capacity_tokens",)))
@@ -181,6 +195,9 @@ def main() -> None:
     r.add_argument("--eager", action="store_true")
     r.add_argument("--parallel-one-gpu", action="store_true",
                    help="run the one-GPU configurations at once, one per GPU")
+    r.add_argument("--profile-len", type=int, default=0,
+                   help="after the timings, profile one prefill of this many tokens "
+                        "(vLLM's torch profiler; tables in profile-CONFIG/ beside --raw)")
     r.add_argument("--raw", required=True)
     m = sub.add_parser("measure")
     m.add_argument("--config", choices=sorted(CONFIGS), required=True)
@@ -188,6 +205,8 @@ def main() -> None:
     m.add_argument("--prompt-lens", required=True)
     m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--eager", action="store_true")
+    m.add_argument("--profile-len", type=int, default=0)
+    m.add_argument("--profile-dir", default="")
     m.add_argument("--out", required=True)
     p = sub.add_parser("report")
     p.add_argument("--raw", nargs="+", required=True)

@@ -13,7 +13,8 @@
 #   exact-dcp  PCP x DCP at interleave 1, 8, 16 (and 8 with float32 partial states)
 #              against PCP=1, 256 greedy tokens
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
-#              tp2 with the GPUs to themselves; records each KV pool in tokens
+#              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
+#              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
 #   serve      vllm serve chat at PCP=1 and PCP=2, and gsm8k through lm-eval at PCP=1,
 #              PCP=2 and PCP=2 x DCP=2 (MODEL_GSM8K; DATA_GSM8K: a folder with train.jsonl
 #              and test.jsonl, default .gpu/gsm8k of the checkout), servers side by side
@@ -29,7 +30,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 ex() { python3 "$here/check_exactness.py" "$@"; }
 lanes() { ex run --overlap --kv-cache-gib 2 --gpu-memory-utilization 0.05 "$@"; }
 models=qwen2.5-3b-shape,llama-8kv-hd64,qwen2-mqa-1kv,smollm2
-pack() { tar czf "$out/$stage.tgz" -C "$(dirname "$work")" "$stage"; }
+pack() {  # profiler traces stay behind (too big to return); their tables travel
+  tar czf "$out/$stage.tgz" --exclude='*.pt.trace.json*' -C "$(dirname "$work")" "$stage"
+}
 trap pack EXIT
 case "$stage" in
   kernels)
@@ -54,7 +57,8 @@ case "$stage" in
     wait; tail -n 30 "$work"/dcp.log "$work"/dcp-u.log ;;
   bench)
     python3 "$here/bench_pcp.py" run --eager --parallel-one-gpu \
-      --configs pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2 --raw "$work/bench.json" \
+      --configs pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2 --profile-len 32768 \
+      --raw "$work/bench.json" \
       2>&1 | tee "$work/bench.log" | grep -E "^(pcp|tp)" ;;
   serve)
     if ls "$here"/../.gpu/extra/*.whl > /dev/null 2>&1; then  # lm-eval[api] needs tenacity
