@@ -71,7 +71,7 @@ def _pcp_attention(rank, world, computed, scheduled, new, prior, min_split):
     k_all, v_all = gather_kv(group, new["k"][local], new["v"][local],
                              meta.num_padded_tokens_per_rank)
     # The cache write: kept gathered rows land at their request's positions.
-    kv, start = [], 0
+    kv = []
     for (pk, pv), c, s in zip(prior, computed, scheduled):
         kv.append((torch.cat([pk, torch.full((s, *pk.shape[1:]), float("nan"))]),
                    torch.cat([pv, torch.full((s, *pv.shape[1:]), float("nan"))])))
