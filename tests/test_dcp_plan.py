@@ -57,7 +57,7 @@ def test_paged_kv_layout_lists_each_rows_pages():
     assert indices.tolist() == [7, 8, 3] and last.tolist() == [1, 16]
     plan = build_dcp_plan([5, 40], [1, 64], 4, 3, 8, min_split_tokens=8)
     # Rank 3 owns none of the 5 context tokens of request 0 (tokens 24..31 are its first).
-    kept, query = _kept(plan.ctx_replicated)
+    kept = _kept(plan.ctx_replicated)
     assert plan.ctx_replicated.kv_len.tolist() == [0] and len(kept.req) == 0
     assert _positions_in(torch.tensor([4, 9, 2]), torch.tensor([2, 4])).tolist() == [2, 0]
 

@@ -51,15 +51,14 @@ def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
     return indptr, indices.to(torch.int32), last.to(torch.int32)
 
 
-def _kept(rows: AttentionRows) -> tuple[AttentionRows, torch.Tensor]:
-    """Rows with keys, and the query-buffer rows they cover (kv_len 0 rows dropped)."""
+def _kept(rows: AttentionRows) -> AttentionRows:
+    """The rows with keys (kv_len 0 rows dropped, with their query tokens)."""
     keep = rows.kv_len > 0
     lens = (rows.qo_indptr[1:] - rows.qo_indptr[:-1])[keep]
     per_token = torch.repeat_interleave(keep, rows.qo_indptr[1:] - rows.qo_indptr[:-1])
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(lens, 0)
-    kept = AttentionRows(rows.query_index[per_token], indptr, rows.req[keep], rows.kv_len[keep])
-    return kept, kept.query_index
+    return AttentionRows(rows.query_index[per_token], indptr, rows.req[keep], rows.kv_len[keep])
 
 
 class DCPAttention:
@@ -112,7 +111,7 @@ class DCPAttention:
     def _plan_paged(self, wrapper, rows: AttentionRows,
                     block_table: torch.Tensor) -> torch.Tensor | None:
         """Plan ``wrapper`` for the rows with context; their query rows (CPU), or None."""
-        kept, query = _kept(rows)
+        kept = _kept(rows)
         if len(kept.req) == 0:
             return None
         hq, hkv, dim = self.heads
@@ -123,7 +122,7 @@ class DCPAttention:
                      self.page_size, causal=False, sm_scale=self.sm_scale,
                      q_data_type=self.dtype, kv_data_type=self.dtype,
                      o_data_type=self.partial_dtype)
-        return query
+        return kept.query_index
 
     def run(self, group, q_local: torch.Tensor, k_step: torch.Tensor, v_step: torch.Tensor,
             kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -140,10 +139,7 @@ class DCPAttention:
         # Replicated rows: every rank holds the same queries; gather the partials.
         rep_index = self.rep_index
         if len(rep_index):
-            rep_out = q_local.new_zeros((len(rep_index), *q_local.shape[1:]),
-                                        dtype=self.partial_dtype)
-            rep_lse = torch.full((len(rep_index), q_local.shape[1]), float("-inf"),
-                                 device=q_local.device)
+            rep_out, rep_lse = self._no_context(len(rep_index), q_local)
             if self.rep_query is not None:
                 q_rep = q_local.index_select(0, self.rep_query)
                 o, s = self._rep.run(q_rep, kv_cache, out=self._out_like(q_rep),
@@ -156,6 +152,12 @@ class DCPAttention:
                 ctx_o, ctx_s, out[rep_index], lse[rep_index])
         return out
 
+    def _no_context(self, rows: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial states of ``rows`` queries that saw no keys: zero output in
+        ``partial_dtype``, LSE ``-inf`` (a merge ignores them)."""
+        out = q.new_zeros((rows, *q.shape[1:]), dtype=self.partial_dtype)
+        return out, torch.full((rows, q.shape[1]), float("-inf"), device=q.device)
+
     def _out_like(self, q: torch.Tensor) -> torch.Tensor:
         """An output buffer in ``partial_dtype``; passed explicitly, since FlashInfer's
         ragged wrapper sizes a missing one by the query dtype, not ``o_data_type``."""
@@ -166,10 +168,7 @@ class DCPAttention:
         to their owners by all-to-all, merged into ``out``/``lse`` in place."""
         n, padded = group.world_size, self.plan_.pcp.num_padded_tokens_per_rank
         q_all = all_gather_padded(group, q_local, padded)
-        part_out = q_local.new_zeros((n * padded, *q_local.shape[1:]),
-                                     dtype=self.partial_dtype)
-        part_lse = torch.full((n * padded, q_local.shape[1]), float("-inf"),
-                              device=q_local.device)
+        part_out, part_lse = self._no_context(n * padded, q_local)
         if self.split_query is not None:
             q_split = q_all.index_select(0, self.split_query)
             o, s = self._split.run(q_split, kv_cache, out=self._out_like(q_split),
