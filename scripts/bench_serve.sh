@@ -12,18 +12,10 @@ set -euo pipefail
 model=$1 tokenizer=$2 out=$3 name=$4; shift 4
 port=${PORT:-8124}
 mkdir -p "$out"
-vllm_cli() { python3 -c "from vllm.entrypoints.cli.main import main; main()" "$@"; }
-vllm_cli serve "$model" --tokenizer "$tokenizer" --port "$port" --seed 0 \
-    --max-model-len $(( ${INPUT_LEN:-32768} + ${OUTPUT_LEN:-128} + 64 )) \
-    --attention-backend FLASHINFER "$@" > "$out/$name-server.log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 900); do
-  python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
-      2>/dev/null && break
-  kill -0 $server 2>/dev/null || { tail -40 "$out/$name-server.log"; exit 1; }
-  sleep 1
-done
+. "$(dirname "$0")/serve_lib.sh"
+serve_until_healthy "$port" "$out/$name-server.log" 900 "$model" --tokenizer "$tokenizer" \
+    --seed 0 --max-model-len $(( ${INPUT_LEN:-32768} + ${OUTPUT_LEN:-128} + 64 )) \
+    --attention-backend FLASHINFER "$@"
 for conc in 4 16; do
   vllm_cli bench serve --backend vllm --base-url "http://127.0.0.1:$port" --model "$model" \
       --tokenizer "$tokenizer" --dataset-name random --random-input-len "${INPUT_LEN:-32768}" \

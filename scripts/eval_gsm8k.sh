@@ -14,15 +14,8 @@ port=${PORT:-8123}
 work=$(mktemp -d)
 sed "s#@DATA_DIR@#$data#g" "$here/configs/lm_eval/gsm8k_local.yaml" > "$work/gsm8k_local.yaml"
 
-python3 -c "from vllm.entrypoints.cli.main import main; main()" serve "$model" \
-    --port "$port" --seed 0 "$@" > "$work/server.log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-  python3 -c "import urllib.request as u; u.urlopen(\"http://127.0.0.1:$port/health\", timeout=2)" 2>/dev/null && break
-  kill -0 $server 2>/dev/null || { tail -40 "$work/server.log"; exit 1; }
-  sleep 1
-done
+. "$here/scripts/serve_lib.sh"
+serve_until_healthy "$port" "$work/server.log" 600 "$model" --seed 0 "$@"
 
 python3 -m lm_eval --model local-completions \
     --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,num_concurrent=64,max_retries=3,tokenized_requests=False,tokenizer_backend=huggingface,tokenizer=$model" \
