@@ -138,6 +138,10 @@ def run(args) -> None:
     raw = {"versions": versions(), "eager": args.eager,
            "parallel_one_gpu": args.parallel_one_gpu, "runs": []}
 
+    def profiled(config: str) -> bool:
+        return bool(args.profile_len) and (
+            not args.profile_configs or config in args.profile_configs.split(","))
+
     def one(config: str, env: dict) -> None:
         out = f"/tmp/bench-{config}.json"
         cmd = [sys.executable, __file__, "measure", "--config", config, "--model", model,
@@ -145,7 +149,7 @@ def run(args) -> None:
                "--out", out] + (["--eager"] if args.eager else []) + (
                    ["--profile-len", str(args.profile_len), "--profile-dir",
                     os.path.join(os.path.dirname(os.path.abspath(args.raw)),
-                                 f"profile-{config}")] if args.profile_len else [])
+                                 f"profile-{config}")] if profiled(config) else [])
         raw["runs"].append(run_worker(cmd, out, "rows", {"config": config},
                                       {**CONFIGS[config][1], **env},
                                       extra=("kv_capacity_tokens",)))
@@ -198,6 +202,8 @@ def main() -> None:
     r.add_argument("--profile-len", type=int, default=0,
                    help="after the timings, profile one prefill of this many tokens "
                         "(vLLM's torch profiler; tables in profile-CONFIG/ beside --raw)")
+    r.add_argument("--profile-configs", default="",
+                   help="comma-separated configurations to profile (default: all)")
     r.add_argument("--raw", required=True)
     m = sub.add_parser("measure")
     m.add_argument("--config", choices=sorted(CONFIGS), required=True)

@@ -27,6 +27,7 @@ sys.path.insert(0, HERE)
 from exactness_lib import compare_outputs  # noqa: E402
 from gpu_runs import run_worker, versions  # noqa: E402
 
+SMALL_POOL_TOKENS = 20480
 CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
            "pcp1-graphs": ["--pcp", "1", "--cuda-graphs"],
            "pcp2-graphs": ["--pcp", "2", "--cuda-graphs"],
@@ -35,7 +36,10 @@ CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
            **{f"pcp2-dcp2-i{i}": ["--pcp", "2", "--dcp", "2", "--interleave", str(i)]
               for i in (1, 8, 16)},
            **{f"pcp2-dcp2-i{i}-fp32": ["--pcp", "2", "--dcp", "2", "--interleave", str(i),
-                                       "--dcp-fp32-partials"] for i in (1, 8, 16)}}
+                                       "--dcp-fp32-partials"] for i in (1, 8, 16)},
+           # a per-rank KV pool smaller than the longest prompt: only the sharded cache fits it
+           "pcp2-dcp2-i8-smallpool": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
+                                      "--kv-pool-tokens", str(SMALL_POOL_TOKENS)]}
 BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
             **{c: "pcp1" for c in CONFIGS if c.startswith("pcp2-dcp2")}}
 SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
@@ -212,7 +216,11 @@ def compare(args) -> None:
                    (c["max_baseline_margin"] for c in cases if "max_baseline_margin" in c),
                    default=None)}
     result = {"meta": meta, "summary": summary, "cases": cases}
-    capacity = _kv_capacity(runs)
+    bench_runs = []
+    if args.bench_raw:
+        with open(args.bench_raw) as f:
+            bench_runs = json.load(f)["runs"]
+    capacity = _kv_capacity(runs, bench_runs)
     if capacity:
         result["kv_capacity"] = capacity
     with open(args.out, "w") as f:
@@ -220,17 +228,35 @@ def compare(args) -> None:
     print(json.dumps(summary))
 
 
-def _kv_capacity(runs: dict) -> dict:
-    """KV pool (tokens) of pcp2 and of the first pcp2-dcp2 run, same model and variant."""
+def _kv_capacity(runs: dict, bench_runs: list | None = None) -> dict:
+    """KV pool (tokens) of pcp2 and pcp2-dcp2: from a bench_pcp.py raw run (both
+    at its gpu_memory_utilization) if given, else from the first pair of exactness
+    runs of the same model and variant (both at the fixed pool of ``--kv-cache-gib``).
+    ``beyond_one_gpu``: each small-pool run, with its per-rank pool and longest prompt."""
+    out = {}
+    bench = {r["config"]: r["kv_capacity_tokens"] for r in bench_runs or []
+             if "kv_capacity_tokens" in r}
+    if "pcp2" in bench and "pcp2-dcp2" in bench:
+        out = {"source": "bench_pcp.py, gpu_memory_utilization 0.85",
+               "pcp2_tokens": bench["pcp2"], "pcp2_dcp2_tokens": bench["pcp2-dcp2"],
+               "ratio": round(bench["pcp2-dcp2"] / bench["pcp2"], 4)}
     for (model, variant, config), run in sorted(runs.items()):
         base = runs.get((model, variant, "pcp2"), {})
-        if config.startswith("pcp2-dcp2") and "kv_capacity_tokens" in run and \
+        if not out and config.startswith("pcp2-dcp2") and "kv_capacity_tokens" in run and \
                 "kv_capacity_tokens" in base:
             ratio = run["kv_capacity_tokens"] / base["kv_capacity_tokens"]
-            return {"model": model, "variant": variant,
-                    "pcp2_tokens": base["kv_capacity_tokens"],
-                    "pcp2_dcp2_tokens": run["kv_capacity_tokens"], "ratio": round(ratio, 4)}
-    return {}
+            out = {"model": model, "variant": variant,
+                   "pcp2_tokens": base["kv_capacity_tokens"],
+                   "pcp2_dcp2_tokens": run["kv_capacity_tokens"], "ratio": round(ratio, 4)}
+    small = [{"model": model, "variant": variant, "config": config,
+              "per_rank_pool_tokens": run["kv_capacity_tokens"] // 2,
+              "longest_prompt": max(n for r in run["results"] for n in r["prompt_lens"])}
+             for (model, variant, config), run in sorted(runs.items())
+             if config.endswith("-smallpool") and run.get("results")
+             and "kv_capacity_tokens" in run]
+    if small:
+        out["beyond_one_gpu"] = small
+    return out
 
 
 def main() -> None:
@@ -268,6 +294,8 @@ def main() -> None:
     c.add_argument("--tokens", type=int, default=0,
                    help="compare only the first N generated tokens of each output")
     c.add_argument("--date", default="", help="date of the GPU run (default: today)")
+    c.add_argument("--bench-raw", default="",
+                   help="bench_pcp.py raw run whose KV pools (pcp2, pcp2-dcp2) go into kv_capacity")
     k = sub.add_parser("collect")
     k.add_argument("--raw", required=True)
     k.add_argument("--versions", required=True, help="JSON: gpu, torch, vllm, flashinfer")

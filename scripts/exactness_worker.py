@@ -58,6 +58,12 @@ def run_cases(llm, cases, max_tokens: int = MAX_TOKENS) -> list[dict]:
     return results
 
 
+def kv_bytes_per_token(hf: dict) -> int:
+    """Bytes of one token's bf16 K and V over all layers, on one rank (TP = 1)."""
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return hf["num_hidden_layers"] * 2 * hf["num_key_value_heads"] * head_dim * 2
+
+
 def _knobs(args) -> dict:
     if args.dcp == 1:
         return {}
@@ -84,6 +90,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                     help="fixed KV pool (vLLM's kv_cache_memory_bytes); for engines "
                          "sharing a GPU")
+    ap.add_argument("--kv-pool-tokens", type=int, default=0,
+                    help="fixed KV pool of this many tokens per rank (overrides "
+                         "--kv-cache-memory-bytes)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -92,6 +101,8 @@ def main() -> None:
     with open(os.path.join(args.model, "config.json")) as f:
         hf = json.load(f)
     max_model_len = min(hf["max_position_embeddings"], 32768 + 2 * args.max_tokens)
+    if args.kv_pool_tokens:
+        args.kv_cache_memory_bytes = args.kv_pool_tokens * kv_bytes_per_token(hf)
     has_tokenizer = os.path.exists(os.path.join(args.model, "tokenizer.json"))
     llm = LLM(model=args.model, skip_tokenizer_init=not has_tokenizer, dtype="bfloat16",
               prefill_context_parallel_size=args.pcp, tensor_parallel_size=args.tp,

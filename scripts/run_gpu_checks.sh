@@ -11,20 +11,22 @@
 #              chunked prefill on and off, plus CUDA graphs and Ray; engines side by side
 #              in lanes, each on a fixed 2 GiB KV pool (no memory profiling to disturb)
 #   exact-dcp  PCP x DCP at interleave 1, 8, 16 (and 8 with float32 partial states)
-#              against PCP=1, 256 greedy tokens
+#              against PCP=1, 256 greedy tokens; and one run whose KV pool per rank
+#              (20480 tokens) is smaller than its longest prompt (32768)
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
+#              (pcp1, pcp2, pcp2-dcp2)
 #   serve      vllm serve chat at PCP=1 and PCP=2, and gsm8k through lm-eval at PCP=1,
 #              PCP=2 and PCP=2 x DCP=2 (MODEL_GSM8K; DATA_GSM8K: a folder with train.jsonl
 #              and test.jsonl, default .gpu/gsm8k of the checkout), servers side by side
-# Work files go to /tmp/gpu-checks/STAGE; OUT_DIR gets them as one STAGE.tgz (the device
+# Work files go to /tmp/gpu-checks/STAGE (GPU_CHECKS_DIR overrides /tmp/gpu-checks); OUT_DIR gets them as one STAGE.tgz (the device
 # returns few files) and a summary on stdout. scripts/check_exactness.py compare and
 # scripts/bench_pcp.py report turn the raw files into the committed result files.
 set -uo pipefail
 stage=$1 out=$2
 here=$(cd "$(dirname "$0")" && pwd)
-work=/tmp/gpu-checks/$stage
+work=${GPU_CHECKS_DIR:-/tmp/gpu-checks}/$stage
 mkdir -p "$out" "$work"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 ex() { python3 "$here/check_exactness.py" "$@"; }
@@ -52,12 +54,13 @@ case "$stage" in
       --raw "$work/raw-dcp.json" \
       > "$work/dcp.log" 2>&1 &
     lanes --lanes 1 --models qwen2.5-3b-shape --variants unchunked --max-tokens 256 \
-      --configs pcp1,pcp2-dcp2-i8 --raw "$work/raw-dcp-unchunked.json" \
+      --configs pcp1,pcp2-dcp2-i8,pcp2-dcp2-i8-smallpool --raw "$work/raw-dcp-unchunked.json" \
       > "$work/dcp-u.log" 2>&1 &
     wait; tail -n 30 "$work"/dcp.log "$work"/dcp-u.log ;;
   bench)
     python3 "$here/bench_pcp.py" run --eager --parallel-one-gpu \
       --configs pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2 --profile-len 32768 \
+      --profile-configs pcp1,pcp2,pcp2-dcp2 \
       --raw "$work/bench.json" \
       2>&1 | tee "$work/bench.log" | grep -E "^(pcp|tp)" ;;
   serve)

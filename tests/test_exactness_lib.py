@@ -87,6 +87,39 @@ def test_kv_capacity_compares_dcp_with_pcp_alone():
     assert ce._kv_capacity({("m", "chunked", "pcp2"): {"kv_capacity_tokens": 5}}) == {}
 
 
+def test_kv_capacity_prefers_the_benchmark_pools_and_lists_small_pool_runs():
+    import check_exactness as ce
+
+    runs = {("m", "chunked", "pcp2"): {"kv_capacity_tokens": 1000},
+            ("m", "chunked", "pcp2-dcp2-i8"): {"kv_capacity_tokens": 2000},
+            ("m", "unchunked", "pcp2-dcp2-i8-smallpool"): {
+                "kv_capacity_tokens": 40960,
+                "results": [{"prompt_lens": [32768]}, {"prompt_lens": [3, 12000]}]},
+            ("m", "unchunked", "pcp1-smallpool-failed"): {"kv_capacity_tokens": 1}}
+    bench = [{"config": "pcp2", "kv_capacity_tokens": 300000},
+             {"config": "pcp2-dcp2", "kv_capacity_tokens": 597000}, {"config": "tp2"}]
+    got = ce._kv_capacity(runs, bench)
+    assert (got["pcp2_tokens"], got["pcp2_dcp2_tokens"], got["ratio"]) == (300000, 597000, 1.99)
+    assert "gpu_memory_utilization" in got["source"]
+    assert got["beyond_one_gpu"] == [{
+        "model": "m", "variant": "unchunked", "config": "pcp2-dcp2-i8-smallpool",
+        "per_rank_pool_tokens": 20480, "longest_prompt": 32768}]
+    assert ce._kv_capacity(runs)["pcp2_dcp2_tokens"] == 2000  # no bench: the fixed pools
+
+
+def test_small_pool_config_holds_fewer_tokens_per_rank_than_the_longest_prompt():
+    import check_exactness as ce
+    from exactness_lib import SINGLE_LENGTHS
+    from exactness_worker import kv_bytes_per_token
+
+    assert ce.SMALL_POOL_TOKENS < max(SINGLE_LENGTHS) <= 2 * ce.SMALL_POOL_TOKENS - 1024
+    assert ce.BASELINE["pcp2-dcp2-i8-smallpool"] == "pcp1"
+    hf = {"num_hidden_layers": 4, "num_key_value_heads": 2, "hidden_size": 2048,
+          "num_attention_heads": 16}
+    assert kv_bytes_per_token(hf) == 4 * 2 * 2 * 128 * 2
+    assert kv_bytes_per_token({**hf, "head_dim": 64}) == 4 * 2 * 2 * 64 * 2
+
+
 def test_run_worker_keeps_a_failed_runs_saved_part_and_never_a_stale_file(tmp_path):
     import json
     import sys
