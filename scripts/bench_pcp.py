@@ -32,12 +32,11 @@ CONFIGS = {
     "pcp1-stock": ({"prefill_context_parallel_size": 1}, {"VLLM_PLUGINS": "none"}),
     "pcp1": ({"prefill_context_parallel_size": 1}, {}),
     "pcp2": ({"prefill_context_parallel_size": 2}, {}),
+    "pcp2-min8k": ({"prefill_context_parallel_size": 2,
+                    "additional_config": {"pcp_min_split_tokens": 8192}}, {}),
     "tp2": ({"tensor_parallel_size": 2}, {}),
     "pcp2-dcp2": ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2,
                    "additional_config": {"pcp_unverified_dcp": True}}, {}),
-    "pcp2-dcp2-fp32": ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2,
-                        "additional_config": {"pcp_unverified_dcp": True,
-                                              "pcp_dcp_fp32_partials": True}}, {}),
 }
 ONE_GPU = ("pcp1-stock", "pcp1")
 ITL_CONTEXT, ITL_TOKENS, ITL_BATCHES = 32768, 128, (1, 8)
@@ -168,10 +167,11 @@ def run(args) -> None:
 
 def report(args) -> None:
     """Write ttft.json, itl.json and ttft.png from one raw run; serve.json from
-    the ``vllm bench serve`` results of scripts/bench_serve.sh if given."""
+    the ``vllm bench serve`` results of scripts/bench_serve.sh, gsm8k.json from
+    the scripts/eval_gsm8k.sh results, if given."""
     import glob
 
-    from bench_report import serve_rows, write_reports
+    from bench_report import gsm8k_rows, serve_rows, write_reports
 
     raw = {"runs": []}
     for path in args.raw:  # several runs of one sitting, e.g. two halves of the configs
@@ -186,6 +186,11 @@ def report(args) -> None:
         with open(os.path.join(args.out_dir, "serve.json"), "w") as f:
             json.dump({"meta": {**meta, "command": args.serve_command}, "rows": rows}, f,
                       indent=1)
+    if args.gsm8k_dir:
+        gsm8k = gsm8k_rows(glob.glob(os.path.join(args.gsm8k_dir, "gsm8k-*.json")))
+        with open(os.path.join(args.out_dir, "gsm8k.json"), "w") as f:
+            json.dump({"meta": {**{k: v for k, v in meta.items() if k != "enforce_eager"},
+                                "command": args.gsm8k_command}, **gsm8k}, f, indent=1)
 
 
 def main() -> None:
@@ -221,6 +226,8 @@ def main() -> None:
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--serve-dir", help="folder of scripts/bench_serve.sh results")
     p.add_argument("--serve-command", default="", help="how the serve results were made")
+    p.add_argument("--gsm8k-dir", help="folder of scripts/eval_gsm8k.sh results gsm8k-CONFIG.json")
+    p.add_argument("--gsm8k-command", default="", help="how the gsm8k results were made")
     args = ap.parse_args()
     {"run": run, "measure": measure, "report": report}[args.cmd](args)
 

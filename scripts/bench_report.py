@@ -75,6 +75,30 @@ def serve_rows(result_files: list[str]) -> list[dict]:
     return rows
 
 
+GSM8K_TOLERANCE_POINTS = 1.5
+
+
+def gsm8k_rows(result_files: list[str], baseline: str = "pcp1") -> dict:
+    """Rows from scripts/eval_gsm8k.sh outputs named ``gsm8k-CONFIG.json``: exact
+    match (strict, flexible) in points, and each one's distance from ``baseline``."""
+    rows = []
+    for path in sorted(result_files):
+        config = os.path.basename(path).removesuffix(".json").removeprefix("gsm8k-")
+        with open(path) as f:
+            res = json.load(f)
+        rows.append({"config": config, "questions": res["lm_eval_results"].get("sample_len"),
+                     "strict": round(100 * res["exact_match_strict"], 2),
+                     "flexible": round(100 * res["exact_match_flexible"], 2)})
+    base = next((r for r in rows if r["config"] == baseline), None)
+    for row in rows:
+        if base is not None and row is not base:
+            row["delta_strict"] = round(row["strict"] - base["strict"], 2)
+            row["delta_flexible"] = round(row["flexible"] - base["flexible"], 2)
+            row["within_tolerance"] = max(abs(row["delta_strict"]),
+                                          abs(row["delta_flexible"])) <= GSM8K_TOLERANCE_POINTS
+    return {"tolerance_points": GSM8K_TOLERANCE_POINTS, "rows": rows}
+
+
 def write_reports(raw: dict, meta: dict, out_dir: str) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     ttft, itl = _ttft_rows(raw), _itl_rows(raw)

@@ -33,14 +33,14 @@ CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
            "pcp2-graphs": ["--pcp", "2", "--cuda-graphs"],
            "pcp2-ray": ["--pcp", "2", "--ray"],
            "tp2": ["--tp", "2"],
+           # the noise floor: one GPU, another attention kernel (FlashAttention) vs FlashInfer
+           "pcp1-flash-attn": ["--pcp", "1", "--attention-backend", "FLASH_ATTN"],
            **{f"pcp2-dcp2-i{i}": ["--pcp", "2", "--dcp", "2", "--interleave", str(i)]
               for i in (1, 8, 16)},
-           **{f"pcp2-dcp2-i{i}-fp32": ["--pcp", "2", "--dcp", "2", "--interleave", str(i),
-                                       "--dcp-fp32-partials"] for i in (1, 8, 16)},
            # a per-rank KV pool smaller than the longest prompt: only the sharded cache fits it
            "pcp2-dcp2-i8-smallpool": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
                                       "--kv-pool-tokens", str(SMALL_POOL_TOKENS)]}
-BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
+BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1", "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
             **{c: "pcp1" for c in CONFIGS if c.startswith("pcp2-dcp2")}}
 SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
                  "qwen2.5-coder-0.5b": "/tmp/models/qwen2.5-coder-0.5b"}

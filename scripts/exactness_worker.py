@@ -67,7 +67,7 @@ def kv_bytes_per_token(hf: dict) -> int:
 def _knobs(args) -> dict:
     if args.dcp == 1:
         return {}
-    return {"pcp_unverified_dcp": True, "pcp_dcp_fp32_partials": args.dcp_fp32_partials}
+    return {"pcp_unverified_dcp": True}
 
 
 def main() -> None:
@@ -80,8 +80,6 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true", help="Ray as the distributed executor")
     ap.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     ap.add_argument("--interleave", type=int, default=1, help="--cp-kv-cache-interleave-size")
-    ap.add_argument("--dcp-fp32-partials", action="store_true",
-                    help="knob pcp_dcp_fp32_partials: float32 partial states under DCP")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--attention-backend", default="FLASHINFER",
                     help="the same kernel on both sides of a comparison; PCP runs on "

@@ -10,9 +10,10 @@
 #   exact-pcp  PCP=2 vs PCP=1 on the random models and SmolLM2 (/tmp/models/smollm2-135m),
 #              chunked prefill on and off, plus CUDA graphs and Ray; engines side by side
 #              in lanes, each on a fixed 2 GiB KV pool (no memory profiling to disturb)
-#   exact-dcp  PCP x DCP at interleave 1, 8, 16 (and 8 with float32 partial states)
-#              against PCP=1, 256 greedy tokens; and one run whose KV pool per rank
-#              (20480 tokens) is smaller than its longest prompt (32768)
+#   exact-dcp  PCP x DCP at interleave 1, 8, 16 against PCP=1, 256 greedy tokens; one GPU
+#              on FlashAttention against FlashInfer (the noise floor of a kernel change);
+#              one run whose KV pool per rank (20480 tokens) is smaller than its longest
+#              prompt (32768)
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
@@ -20,8 +21,8 @@
 #   serve      vllm serve chat at PCP=1 and PCP=2, and gsm8k through lm-eval at PCP=1,
 #              PCP=2 and PCP=2 x DCP=2 (MODEL_GSM8K; DATA_GSM8K: a folder with train.jsonl
 #              and test.jsonl, default .gpu/gsm8k of the checkout), servers side by side
-# Work files go to /tmp/gpu-checks/STAGE (GPU_CHECKS_DIR overrides /tmp/gpu-checks); OUT_DIR gets them as one STAGE.tgz (the device
-# returns few files) and a summary on stdout. scripts/check_exactness.py compare and
+# Work files go to /tmp/gpu-checks/STAGE (GPU_CHECKS_DIR overrides /tmp/gpu-checks); OUT_DIR
+# gets them as one STAGE.tgz (the device returns few files) and a summary on stdout. scripts/check_exactness.py compare and
 # scripts/bench_pcp.py report turn the raw files into the committed result files.
 set -uo pipefail
 stage=$1 out=$2
@@ -49,8 +50,10 @@ case "$stage" in
     wait; tail -n 30 "$work"/pcp.log "$work"/more.log ;;
   exact-dcp)
     ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
-    lanes --lanes 8 --one-gpu-lanes 2 --models "$models" --variants chunked --max-tokens 256 \
-      --configs pcp1,pcp2-dcp2-i1,pcp2-dcp2-i8,pcp2-dcp2-i16,pcp2-dcp2-i8-fp32 \
+    # the real model and the 1-kv-head model first: the last sitting's run ended before them
+    lanes --lanes 8 --one-gpu-lanes 2 --variants chunked --max-tokens 256 \
+      --models smollm2,qwen2-mqa-1kv,qwen2.5-3b-shape,llama-8kv-hd64 \
+      --configs pcp1,pcp1-flash-attn,pcp2-dcp2-i1,pcp2-dcp2-i8,pcp2-dcp2-i16 \
       --raw "$work/raw-dcp.json" \
       > "$work/dcp.log" 2>&1 &
     lanes --lanes 1 --models qwen2.5-3b-shape --variants unchunked --max-tokens 256 \

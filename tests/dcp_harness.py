@@ -60,8 +60,7 @@ def _paged_shard(full, rank, world, interleave, page_size, device, dtype):
 
 
 def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
-                 page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD",
-                 partial_dtype=None):
+                 page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD"):
     """Each rank's restored output (in the attention's output dtype) and the float32
     reference computed from the same ``dtype``-rounded inputs."""
     full, q = make_batch(hq, hkv, dim, world * 100 + interleave, computed, scheduled)
@@ -81,7 +80,7 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
             cache = tuple(c.transpose(1, 2).contiguous() for c in cache)
         workspace = torch.empty(64 * 1024 * 1024, dtype=torch.uint8, device=device)
         attn = DCPAttention(workspace, hq, hkv, dim, page_size, dtype, 1 / math.sqrt(dim),
-                            kv_layout, partial_dtype)
+                            kv_layout)
         attn.plan(plan, table)
         local = plan.pcp.local_token_indices.to(device)
         out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_step, v_step, cache)

@@ -70,3 +70,22 @@ def test_bench_model_covers_the_longest_prompt_and_its_tokens(tmp_path):
     config = json.load(open(os.path.join(folder, "config.json")))
     assert config["max_position_embeddings"] == need
     assert config["num_hidden_layers"] == json.load(open(src))["num_hidden_layers"]
+
+
+def test_gsm8k_rows_compare_every_config_with_pcp1(tmp_path):
+    def result(name, strict, flexible):
+        (tmp_path / f"gsm8k-{name}.json").write_text(json.dumps({
+            "exact_match_strict": strict, "exact_match_flexible": flexible,
+            "lm_eval_results": {"sample_len": 1319}}))
+        return str(tmp_path / f"gsm8k-{name}.json")
+
+    files = [result("pcp2", 0.1183, 0.1334), result("pcp1", 0.1205, 0.1342),
+             result("pcp2-dcp2", 0.100, 0.130)]
+    out = bench_report.gsm8k_rows(files)
+    rows = {r["config"]: r for r in out["rows"]}
+    assert rows["pcp1"] == {"config": "pcp1", "questions": 1319, "strict": 12.05,
+                            "flexible": 13.42}
+    assert rows["pcp2"]["delta_strict"] == -0.22 and rows["pcp2"]["within_tolerance"]
+    assert rows["pcp2-dcp2"]["delta_strict"] == -2.05
+    assert not rows["pcp2-dcp2"]["within_tolerance"]
+    assert "delta_strict" not in bench_report.gsm8k_rows(files[:1])["rows"][0]

@@ -43,12 +43,13 @@ def test_pcp1_and_mla_are_left_to_vllm(cfg):
 @pytest.mark.parametrize("over,flag", [
     (dict(data_parallel_size=2), "--data-parallel-size"),
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
-    (dict(decode_context_parallel_size=2), "not yet verified on GPUs"),
+    (dict(decode_context_parallel_size=2), "is opt-in"),
     (dict(decode_context_parallel_size=4), "it must be 1 or 2"),
     (dict(decode_context_parallel_size=2, dcp_comm_backend="a2a",
           additional_config={"pcp_unverified_dcp": True}), "--dcp-comm-backend a2a"),
     (dict(additional_config={"pcp_unverified_dcp": "yes"}), "pcp_unverified_dcp"),
-    (dict(additional_config={"pcp_dcp_fp32_partials": 1}), "pcp_dcp_fp32_partials"),
+    (dict(additional_config={"pcp_dcp_fp32_partials": True}), "not a vllm-pcp knob"),
+    (dict(additional_config={"pcp_min_split_token": 8}), "pcp_min_split_token: not"),
     (dict(speculative_config=object()), "--speculative-config"),
     (dict(lora_config=object()), "--enable-lora"),
     (dict(is_multimodal_model=True), "multimodal"),
@@ -77,8 +78,9 @@ def test_flashinfer_may_be_requested_explicitly():
 
 def test_knobs():
     assert PCPKnobs.from_additional_config({}).min_split_tokens == 2
-    assert not PCPKnobs.from_additional_config({}).dcp_fp32_partials
-    assert PCPKnobs.from_additional_config({"pcp_dcp_fp32_partials": True}).dcp_fp32_partials
+    assert not PCPKnobs.from_additional_config({}).unverified_dcp
+    assert PCPKnobs.from_additional_config({"pcp_unverified_dcp": True}).unverified_dcp
+    assert PCPKnobs.from_additional_config({"other_plugin_key": 1}).min_split_tokens == 2
     assert PCPKnobs.from_additional_config({"pcp_min_split_tokens": 4096}).min_split_tokens == 4096
     for bad in ("8", 1.5, True, -3):
         with pytest.raises(PCPConfigError):

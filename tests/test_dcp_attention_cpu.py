@@ -1,5 +1,10 @@
 """DCPAttention's data movement on the CPU, with FlashInfer's kernels replaced by
-the reference ones: every rank's output must equal one process's attention."""
+the reference ones: every rank's output must equal one process's attention.
+
+Two fakes: ``reference_flashinfer`` keeps FlashInfer 0.6.14's dtype contract
+(16-bit attention outputs and merges: it builds no float32-output kernel), and
+``float32_flashinfer`` lifts it, so that float32 inputs check the index logic
+to 1e-5."""
 import sys
 from types import SimpleNamespace
 
@@ -10,15 +15,20 @@ from dcp_harness import run_dcp_step
 from vllm_pcp import reference
 
 
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
 class _Wrapper:
     """FlashInfer's contract as used here: ``out`` must have the planned
     ``o_data_type`` (default: the query dtype); results are written into it."""
+    dtypes = SIXTEEN_BIT
 
     def __init__(self, workspace, layout, backend="auto"):
-        assert layout == "NHD" and backend in ("auto", "fa2")
+        assert layout == "NHD" and backend == "auto"
 
     def _plan_common(self, q_data_type, o_data_type=None, **kw):
         self.o_dtype = o_data_type or q_data_type
+        assert self.o_dtype in self.dtypes, "FlashInfer 0.6.14 JIT: no such output dtype"
 
     def _finish(self, out, lse, into, return_lse):
         assert into is not None and into.dtype == self.o_dtype, "out must be o_data_type"
@@ -66,27 +76,38 @@ def _rows(q, qo, kv_of_row, causal):
     return out, lse
 
 
-def _merge_16bit(merge):
-    """FlashInfer's merge kernels: 16-bit values in, the same dtype out."""
+def _merge(merge, dtypes):
+    """FlashInfer's merge kernels: values of ``dtypes`` in, the same dtype out."""
     def run(v, *rest):
-        assert v.dtype in (torch.float16, torch.bfloat16), "merge kernels take 16-bit values"
+        assert v.dtype in dtypes, "merge kernels take 16-bit values"
         o, s = merge(v, *rest)
         return o.to(v.dtype), s
     return run
 
 
+def _fake_flashinfer(dtypes):
+    ragged = type("Ragged", (_Ragged,), {"dtypes": dtypes})
+    paged = type("Paged", (_Paged,), {"dtypes": dtypes})
+    return SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=ragged,
+                           BatchPrefillWithPagedKVCacheWrapper=paged,
+                           merge_state=_merge(reference.merge_state, dtypes),
+                           merge_states=_merge(reference.merge_states, dtypes))
+
+
 @pytest.fixture
 def reference_flashinfer(monkeypatch):
-    fake = SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=_Ragged,
-                           BatchPrefillWithPagedKVCacheWrapper=_Paged,
-                           merge_state=_merge_16bit(reference.merge_state),
-                           merge_states=_merge_16bit(reference.merge_states))
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer(SIXTEEN_BIT))
+
+
+@pytest.fixture
+def float32_flashinfer(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer",
+                        _fake_flashinfer((*SIXTEEN_BIT, torch.float32)))
 
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
 @pytest.mark.parametrize("min_split", [2, 16])
-def test_dcp_attention_matches_one_process(reference_flashinfer, world, interleave, min_split):
+def test_dcp_attention_matches_one_process(float32_flashinfer, world, interleave, min_split):
     outs, expect = run_dcp_step(world, interleave, min_split, "cpu", torch.float32)
     for out in outs:
         torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
@@ -101,22 +122,16 @@ def test_bf16_partials_are_merged_by_flashinfer(reference_flashinfer, world, int
         torch.testing.assert_close(out.float(), expect, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 8)])
-def test_fp32_partials_stay_float32_to_the_end(reference_flashinfer, world, interleave):
-    """bf16 model, float32 partial states: no exchange or merge rounds to bf16, so
-    the result equals the float32 reference on the same bf16 inputs."""
-    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.bfloat16,
-                                partial_dtype=torch.float32)
-    for out in outs:
-        assert out.dtype == torch.float32
-        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+def test_the_strict_fake_refuses_float32_like_flashinfer(reference_flashinfer):
+    with pytest.raises(AssertionError, match="output dtype"):
+        run_dcp_step(2, 8, 2, "cpu", torch.float32)
 
 
 @pytest.mark.parametrize("computed,scheduled", [
     ([40, 1, 77], [1, 1, 1]),      # decode only: no split rows, no Q all-gather
     ([0, 0], [64, 9]),             # fresh prefills: no context anywhere
     ([3, 0], [1, 50])])            # a rank with no context tokens of request 0
-def test_dcp_attention_steps_without_split_context(reference_flashinfer, computed, scheduled):
+def test_dcp_attention_steps_without_split_context(float32_flashinfer, computed, scheduled):
     outs, expect = run_dcp_step(2, 8, 2, "cpu", torch.float32, computed=computed,
                                 scheduled=scheduled)
     for out in outs:

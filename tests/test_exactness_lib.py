@@ -114,6 +114,7 @@ def test_small_pool_config_holds_fewer_tokens_per_rank_than_the_longest_prompt()
 
     assert ce.SMALL_POOL_TOKENS < max(SINGLE_LENGTHS) <= 2 * ce.SMALL_POOL_TOKENS - 1024
     assert ce.BASELINE["pcp2-dcp2-i8-smallpool"] == "pcp1"
+    assert ce.CONFIGS["pcp1-flash-attn"][:2] == ["--pcp", "1"]  # a one-GPU lane job
     hf = {"num_hidden_layers": 4, "num_key_value_heads": 2, "hidden_size": 2048,
           "num_attention_heads": 16}
     assert kv_bytes_per_token(hf) == 4 * 2 * 2 * 128 * 2

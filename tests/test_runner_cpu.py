@@ -280,9 +280,7 @@ def test_dcp_forward_runs_the_planned_attention(monkeypatch):
     assert (output == 0).all()
 
 
-@pytest.mark.parametrize("knobs,partial", [({}, None),
-                                           ({"pcp_dcp_fp32_partials": True}, torch.float32)])
-def test_builder_plans_one_dcp_attention_per_builder(monkeypatch, knobs, partial):
+def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
     import vllm_pcp.dcp_attention as dcp_mod
 
     made = []
@@ -303,11 +301,10 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch, knobs, partial
     builder.num_qo_heads, builder.num_kv_heads, builder.head_dim = 8, 2, 64
     builder.page_size, builder.q_data_type_prefill = 16, torch.bfloat16
     builder.global_hyperparameters = SimpleNamespace(sm_scale=0.125)
-    builder.vllm_config = SimpleNamespace(additional_config=knobs)
     plan = SimpleNamespace(pcp=SimpleNamespace(num_local_tokens=7))
     first = builder.build_dcp(plan, "table", "exchange")
     second = builder.build_dcp(plan, "table2", "exchange")
-    assert made == [("ws", 8, 2, 64, 16, torch.bfloat16, 0.125, "HND", partial)]
+    assert made == [("ws", 8, 2, 64, 16, torch.bfloat16, 0.125, "HND")]
     assert first.attention is second.attention and second.attention.planned == (plan, "table2")
     assert second.num_local_tokens == 7 and second.pcp_exchange == "exchange"
 

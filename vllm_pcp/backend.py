@@ -112,15 +112,12 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         if self._dcp_attention is None:
             from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
-            from vllm_pcp.config import PCPKnobs
             from vllm_pcp.dcp_attention import DCPAttention
 
-            knobs = PCPKnobs.from_additional_config(self.vllm_config.additional_config)
             self._dcp_attention = DCPAttention(
                 self._get_workspace_buffer(), self.num_qo_heads, self.num_kv_heads,
                 self.head_dim, self.page_size, self.q_data_type_prefill,
-                self.global_hyperparameters.sm_scale, get_kv_cache_layout(),
-                torch.float32 if knobs.dcp_fp32_partials else None)
+                self.global_hyperparameters.sm_scale, get_kv_cache_layout())
         self._dcp_attention.plan(plan, block_table)
         return PCPDCPMetadata(self._dcp_attention, exchange, plan.pcp.num_local_tokens)
 

@@ -24,34 +24,35 @@ class PCPKnobs:
 
     min_split_tokens : prefills with fewer scheduled tokens in a step are
         computed whole on every rank instead of being split (``pcp_min_split_tokens``).
-    unverified_dcp : allow ``-dcp`` equal to ``-pcp`` before its GPU check has
-        passed (``pcp_unverified_dcp``); for running that check.
-    dcp_fp32_partials : under PCP x DCP, keep the partial attention states in
-        float32 until the last merge (``pcp_dcp_fp32_partials``): one bf16
-        rounding instead of one per piece, at twice the bytes of the context
-        exchange and FlashInfer's FA2 kernels.
+    unverified_dcp : allow ``-dcp`` equal to ``-pcp`` (``pcp_unverified_dcp``).
+        Its GPU runs pass vLLM's logprob-closeness rule on random-weight models,
+        but greedy tokens can differ from one GPU at near ties, and no run on a
+        real-weight model has finished yet; until one has, it is opt-in.
     """
 
     min_split_tokens: int = 2
     unverified_dcp: bool = False
-    dcp_fp32_partials: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> PCPKnobs:
         raw = additional_config if isinstance(additional_config, dict) else {}
+        unknown = sorted(k for k in raw if str(k).startswith("pcp_") and k not in _KNOBS)
+        if unknown:
+            raise PCPConfigError(f"--additional-config {', '.join(unknown)}: not a vllm-pcp "
+                                 f"knob (known: {', '.join(_KNOBS)})")
         value = raw.get("pcp_min_split_tokens", cls.min_split_tokens)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise PCPConfigError(
                 f"--additional-config pcp_min_split_tokens must be a non-negative "
                 f"integer, got {value!r}")
-        flags = {}
-        for key in ("pcp_unverified_dcp", "pcp_dcp_fp32_partials"):
-            flags[key] = raw.get(key, False)
-            if not isinstance(flags[key], bool):
-                raise PCPConfigError(f"--additional-config {key} must be true or false, "
-                                     f"got {flags[key]!r}")
-        return cls(min_split_tokens=value, unverified_dcp=flags["pcp_unverified_dcp"],
-                   dcp_fp32_partials=flags["pcp_dcp_fp32_partials"])
+        unverified_dcp = raw.get("pcp_unverified_dcp", False)
+        if not isinstance(unverified_dcp, bool):
+            raise PCPConfigError(f"--additional-config pcp_unverified_dcp must be true or "
+                                 f"false, got {unverified_dcp!r}")
+        return cls(min_split_tokens=value, unverified_dcp=unverified_dcp)
+
+
+_KNOBS = ("pcp_min_split_tokens", "pcp_unverified_dcp")
 
 
 def _attention_backend_name(vllm_config) -> str | None:
@@ -69,9 +70,11 @@ def _dcp_refusals(vllm_config, knobs: PCPKnobs) -> list[str]:
                 f"{pcp} (the KV cache sharded over the PCP ranks)"]
     out = []
     if not knobs.unverified_dcp:
-        out.append(f"--decode-context-parallel-size {dcp} with -pcp {pcp} is implemented but "
-                   "not yet verified on GPUs: drop -dcp, or pass --additional-config "
-                   "'{\"pcp_unverified_dcp\": true}' to run it anyway")
+        out.append(f"--decode-context-parallel-size {dcp} with -pcp {pcp} is opt-in: its "
+                   "greedy tokens can differ from one GPU's at near ties (partial attention "
+                   "states are rounded to the model dtype before the merge) and it is not "
+                   "yet verified on a real-weight model; drop -dcp, or pass "
+                   "--additional-config '{\"pcp_unverified_dcp\": true}' to run it")
     if getattr(parallel, "dcp_comm_backend", "ag_rs") == "a2a":
         out.append("--dcp-comm-backend a2a: PCP x DCP exchanges partial states itself; "
                    "omit the flag")

@@ -10,11 +10,10 @@ calls, mirroring :func:`vllm_pcp.reference.pcp_dcp_rank_attention`:
     replicated ctx  the same kernel over this rank's own copies -> all-gather
     merge           flashinfer.merge_states / merge_state, base-2 LSE
 
-With ``partial_dtype=torch.float32`` the three kernels (FlashInfer's FA2, which
-writes float32 outputs) return float32 partial states, the exchanges carry
-them, and the merges run in float32 (plain torch, :mod:`vllm_pcp.reference`;
-FlashInfer's merge kernels take 16-bit values): the result is rounded to the
-model dtype once, as a one-GPU attention output is.
+Partial states are in the model dtype: FlashInfer 0.6.14 builds no attention
+kernel with float32 outputs (its JIT names output dtypes of 8 and 16 bits only),
+and its merge kernels take 16-bit values. Each piece is rounded once before the
+LSE merge; a one-GPU attention output is rounded once in all.
 
 This rank's shard is a plain paged sequence: local token o lives at
 ``block_table[o // page_size]``, slot ``o % page_size`` (vLLM's DCP slot
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from vllm_pcp import reference
 from vllm_pcp.dcp_plan import AttentionRows, DCPAttentionPlan
 from vllm_pcp.exchange import all_gather_padded, all_to_all
 
@@ -66,22 +64,18 @@ class DCPAttention:
 
     def __init__(self, workspace: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, dtype: torch.dtype, sm_scale: float,
-                 kv_layout: str = "NHD", partial_dtype: torch.dtype | None = None):
+                 kv_layout: str = "NHD"):
         import flashinfer
 
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.page_size, self.dtype, self.sm_scale = page_size, dtype, sm_scale
-        self.partial_dtype = partial_dtype or dtype
-        fp32 = self.partial_dtype == torch.float32
-        backend = "fa2" if fp32 else "auto"
-        self._merge_state = reference.merge_state if fp32 else flashinfer.merge_state
-        self._merge_states = reference.merge_states if fp32 else flashinfer.merge_states
+        self._merge_state, self._merge_states = flashinfer.merge_state, flashinfer.merge_states
         self._new = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD",
-                                                                    backend=backend)
+                                                                    backend="auto")
         self._split = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout,
-                                                                     backend=backend)
+                                                                     backend="auto")
         self._rep = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout,
-                                                                   backend=backend)
+                                                                   backend="auto")
 
     def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor) -> None:
         """Plan the step's kernels; every index the layers use goes to the device here.
@@ -99,7 +93,7 @@ class DCPAttention:
         self.new_kv_index = to_dev(plan.new_kv_token_index)
         self._new.plan(plan.pcp.query_start_loc, plan.new_kv_indptr, hq, hkv, dim,
                        causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype,
-                       kv_data_type=self.dtype, o_data_type=self.partial_dtype)
+                       kv_data_type=self.dtype, o_data_type=self.dtype)
         split_query = self._plan_paged(self._split, plan.ctx_split, block_table)
         rep_query = self._plan_paged(self._rep, plan.ctx_replicated, block_table)
         rep_index = plan.ctx_replicated.query_index
@@ -121,14 +115,13 @@ class DCPAttention:
         wrapper.plan(kept.qo_indptr, indptr, indices, last, hq, hkv, dim,
                      self.page_size, causal=False, sm_scale=self.sm_scale,
                      q_data_type=self.dtype, kv_data_type=self.dtype,
-                     o_data_type=self.partial_dtype)
+                     o_data_type=self.dtype)
         return kept.query_index
 
     def run(self, group, q_local: torch.Tensor, k_step: torch.Tensor, v_step: torch.Tensor,
             kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``q_local [L, Hq, D]``, ``k_step/v_step [T, Hkv, D]`` (step order),
-        ``kv_cache`` this rank's paged (K, V) in ``kv_layout``. Returns ``[L, Hq, D]``
-        in ``partial_dtype``."""
+        ``kv_cache`` this rank's paged (K, V) in ``kv_layout``. Returns ``[L, Hq, D]``."""
         out, lse = self._new.run(q_local, k_step.index_select(0, self.new_kv_index),
                                  v_step.index_select(0, self.new_kv_index),
                                  out=self._out_like(q_local), return_lse=True)
@@ -153,15 +146,14 @@ class DCPAttention:
         return out
 
     def _no_context(self, rows: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial states of ``rows`` queries that saw no keys: zero output in
-        ``partial_dtype``, LSE ``-inf`` (a merge ignores them)."""
-        out = q.new_zeros((rows, *q.shape[1:]), dtype=self.partial_dtype)
+        """Partial states of ``rows`` queries that saw no keys: zero output,
+        LSE ``-inf`` (a merge ignores them)."""
+        out = q.new_zeros((rows, *q.shape[1:]), dtype=self.dtype)
         return out, torch.full((rows, q.shape[1]), float("-inf"), device=q.device)
 
     def _out_like(self, q: torch.Tensor) -> torch.Tensor:
-        """An output buffer in ``partial_dtype``; passed explicitly, since FlashInfer's
-        ragged wrapper sizes a missing one by the query dtype, not ``o_data_type``."""
-        return torch.empty(q.shape, dtype=self.partial_dtype, device=q.device)
+        """An output buffer for one kernel's partial states."""
+        return torch.empty(q.shape, dtype=self.dtype, device=q.device)
 
     def _add_split_context(self, group, q_local, kv_cache, out, lse) -> None:
         """Split rows: every rank's queries against this rank's shard, partials back
