@@ -102,3 +102,30 @@ def test_dcp_refuses_quantized_kv_cache():
                   additional_config={"pcp_unverified_dcp": True})
     with pytest.raises(PCPConfigError, match="--kv-cache-dtype fp8"):
         prepare_pcp_config(cfg)
+
+
+FI = SimpleNamespace(name="FLASHINFER")
+
+
+@pytest.mark.parametrize("over,refused", [
+    (dict(pcp=1, decode_context_parallel_size=2, backend=FI), True),
+    (dict(pcp=1, decode_context_parallel_size=2), False),  # auto: the builder decides
+    (dict(pcp=1, decode_context_parallel_size=2, backend=SimpleNamespace(name="FLASH_ATTN")),
+     False),
+    (dict(pcp=1, decode_context_parallel_size=2, backend=FI, use_mla=True), False),
+    (dict(pcp=1, backend=FI), False)])
+def test_vllms_own_flashinfer_dcp_is_refused_at_pcp1(over, refused):
+    cfg = _config(**over)
+    if refused:
+        with pytest.raises(PCPConfigError, match="--attention-backend FLASH_ATTN"):
+            prepare_pcp_config(cfg)
+    else:
+        assert prepare_pcp_config(cfg) is False
+
+
+def test_the_builder_refuses_an_automatic_flashinfer_dcp_at_pcp1():
+    from vllm_pcp.backend import PCPFlashInferMetadataBuilder
+
+    cfg = _config(pcp=1, decode_context_parallel_size=2)
+    with pytest.raises(PCPConfigError, match="-pcp 2 -dcp 2"):
+        PCPFlashInferMetadataBuilder(None, [], cfg, "cpu")

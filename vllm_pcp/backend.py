@@ -97,8 +97,15 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
     _dcp_attention = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        parallel = vllm_config.parallel_config
+        if parallel.prefill_context_parallel_size == 1 and \
+                parallel.decode_context_parallel_size > 1:
+            from vllm_pcp.config import STOCK_FLASHINFER_DCP, PCPConfigError
+
+            raise PCPConfigError("vllm-pcp: " + STOCK_FLASHINFER_DCP.format(
+                dcp=parallel.decode_context_parallel_size))
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if vllm_config.parallel_config.prefill_context_parallel_size > 1:
+        if parallel.prefill_context_parallel_size > 1:
             grow_row_buffers(self, 2 * vllm_config.scheduler_config.max_num_seqs)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):

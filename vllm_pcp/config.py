@@ -110,6 +110,25 @@ def _refusals(vllm_config) -> list[str]:
     return out
 
 
+STOCK_FLASHINFER_DCP = (
+    "--decode-context-parallel-size {dcp} at PCP = 1 on FLASHINFER runs vLLM 0.26.0's own "
+    "FlashInfer DCP, whose tokens differ from one GPU's (measured on 2 x H200: from the first "
+    "generated token); pass --attention-backend FLASH_ATTN, or use -pcp {dcp} -dcp {dcp}, whose "
+    "DCP is vllm-pcp's")
+
+
+def refuse_stock_flashinfer_dcp(vllm_config) -> None:
+    """PCP = 1, DCP > 1, FlashInfer named on the command line, a non-MLA model:
+    vLLM 0.26.0's FlashInfer DCP gives wrong tokens; refuse it at start-up.
+    (When FlashInfer is chosen automatically, the builder refuses it instead.)"""
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    dcp = parallel.decode_context_parallel_size
+    if parallel.prefill_context_parallel_size > 1 or dcp <= 1 or model is None or \
+            model.use_mla or _attention_backend_name(vllm_config) != "FLASHINFER":
+        return
+    raise PCPConfigError("vllm-pcp: " + STOCK_FLASHINFER_DCP.format(dcp=dcp))
+
+
 def prepare_pcp_config(vllm_config) -> bool:
     """Validate a PCP > 1 config for a non-MLA model and select the PCP worker.
 
@@ -119,6 +138,7 @@ def prepare_pcp_config(vllm_config) -> bool:
     """
     parallel = vllm_config.parallel_config
     model = vllm_config.model_config
+    refuse_stock_flashinfer_dcp(vllm_config)
     if parallel.prefill_context_parallel_size <= 1 or model is None or model.use_mla:
         return False
     knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
