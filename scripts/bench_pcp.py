@@ -40,6 +40,7 @@ CONFIGS = {
 }
 ONE_GPU = ("pcp1-stock", "pcp1")
 ITL_CONTEXT, ITL_TOKENS, ITL_BATCHES = 32768, 128, (1, 8)
+DEFAULT_PROMPT_LENS = "4096,32768,131072"
 
 
 def _model_dir(config_json: str, out_dir: str, max_len: int) -> str:
@@ -127,9 +128,15 @@ def measure(args) -> None:
         llm.stop_profile()  # profiler_out_RANK.txt: kernels by CUDA time
 
 
+def bench_model(out_dir: str = "/tmp/bench-models/qwen2.5-3b-shape",
+                prompt_lens: str = DEFAULT_PROMPT_LENS) -> str:
+    """The bench model's folder (config only: dummy weights), for these prompts."""
+    return _model_dir(os.path.join(ROOT, "configs", "models", "qwen2.5-3b-shape.json"),
+                      out_dir, _max_len(prompt_lens))
+
+
 def run(args) -> None:
-    model = _model_dir(os.path.join(ROOT, "configs", "models", "qwen2.5-3b-shape.json"),
-                       "/tmp/bench-models/qwen2.5-3b-shape", _max_len(args.prompt_lens))
+    model = bench_model(prompt_lens=args.prompt_lens)
     from concurrent.futures import ThreadPoolExecutor
 
     from gpu_runs import run_worker, versions
@@ -199,7 +206,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--configs", default="pcp1-stock,pcp1,pcp2,tp2")
-    r.add_argument("--prompt-lens", default="4096,32768,131072")
+    r.add_argument("--prompt-lens", default=DEFAULT_PROMPT_LENS)
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--eager", action="store_true")
     r.add_argument("--parallel-one-gpu", action="store_true",
@@ -219,6 +226,8 @@ def main() -> None:
     m.add_argument("--profile-len", type=int, default=0)
     m.add_argument("--profile-dir", default="")
     m.add_argument("--out", required=True)
+    b = sub.add_parser("model", help="write the bench model's folder (for vllm serve)")
+    b.add_argument("--out-dir", default="/tmp/bench-models/qwen2.5-3b-shape")
     p = sub.add_parser("report")
     p.add_argument("--raw", nargs="+", required=True)
     p.add_argument("--git-rev", required=True)
@@ -229,6 +238,9 @@ def main() -> None:
     p.add_argument("--gsm8k-dir", help="folder of scripts/eval_gsm8k.sh results gsm8k-CONFIG.json")
     p.add_argument("--gsm8k-command", default="", help="how the gsm8k results were made")
     args = ap.parse_args()
+    if args.cmd == "model":
+        print(bench_model(args.out_dir))
+        return
     {"run": run, "measure": measure, "report": report}[args.cmd](args)
 
 

@@ -20,7 +20,13 @@
 #              (pcp1, pcp2, pcp2-dcp2)
 #   serve      vllm serve chat at PCP=1 and PCP=2, and gsm8k through lm-eval at PCP=1,
 #              PCP=2 and PCP=2 x DCP=2 (MODEL_GSM8K; DATA_GSM8K: a folder with train.jsonl
-#              and test.jsonl, default .gpu/gsm8k of the checkout), servers side by side
+#              and test.jsonl, default .gpu/gsm8k of the checkout), servers side by side;
+#              GSM8K_CONFIGS picks some ("pcp2-dcp2")
+#   bench-serve  vllm bench serve at concurrency 4 and 16 against one server at a time
+#              (SERVE_CONFIGS, default "pcp1 pcp2 tp2"; INPUT_LEN 16384, PROMPTS 16), the
+#              bench model with dummy weights, Qwen2.5-Coder's tokenizer (same vocabulary)
+# bench: BENCH_CONFIGS, BENCH_PROMPT_LENS override; BENCH_PARALLEL_ONE_GPU= (empty) runs the
+# one-GPU configurations one after the other (cleaner ITL)
 # Work files go to /tmp/gpu-checks/STAGE (GPU_CHECKS_DIR overrides /tmp/gpu-checks); OUT_DIR
 # gets them as one STAGE.tgz (the device returns few files) and a summary on stdout. scripts/check_exactness.py compare and
 # scripts/bench_pcp.py report turn the raw files into the committed result files.
@@ -61,11 +67,28 @@ case "$stage" in
       > "$work/dcp-u.log" 2>&1 &
     wait; tail -n 30 "$work"/dcp.log "$work"/dcp-u.log ;;
   bench)
-    python3 "$here/bench_pcp.py" run --eager --parallel-one-gpu \
-      --configs pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2 --profile-len 32768 \
+    python3 "$here/bench_pcp.py" run --eager ${BENCH_PARALLEL_ONE_GPU---parallel-one-gpu} \
+      --configs "${BENCH_CONFIGS:-pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2}" \
+      --prompt-lens "${BENCH_PROMPT_LENS:-4096,32768,131072}" --profile-len 32768 \
       --profile-configs pcp1,pcp2,pcp2-dcp2 \
       --raw "$work/bench.json" \
       2>&1 | tee "$work/bench.log" | grep -E "^(pcp|tp)" ;;
+  bench-serve)  # one server at a time: vllm bench serve times them
+    python3 "$here/bench_pcp.py" model --out-dir /tmp/bench-models/qwen2.5-3b-shape
+    for config in ${SERVE_CONFIGS:-pcp1 pcp2 tp2}; do
+      case $config in
+        pcp1) flags=(--prefill-context-parallel-size 1) env=(CUDA_VISIBLE_DEVICES=0) ;;
+        pcp2) flags=(--prefill-context-parallel-size 2) env=() ;;
+        tp2) flags=(--tensor-parallel-size 2) env=() ;;
+        pcp2-dcp2) flags=(--prefill-context-parallel-size 2 --decode-context-parallel-size 2
+                          --additional-config '{"pcp_unverified_dcp": true}') env=() ;;
+      esac
+      env "${env[@]}" INPUT_LEN=${INPUT_LEN:-16384} PROMPTS=${PROMPTS:-16} \
+        "$here/bench_serve.sh" /tmp/bench-models/qwen2.5-3b-shape \
+        "${MODEL_GSM8K:-/tmp/models/qwen2.5-coder-0.5b}" "$work" "$config" \
+        --load-format dummy --enforce-eager "${flags[@]}" > "$work/$config.log" 2>&1
+      echo "$config rc=$?"
+    done ;;
   serve)
     if ls "$here"/../.gpu/extra/*.whl > /dev/null 2>&1; then  # lm-eval[api] needs tenacity
       python3 -m pip install -q --no-index --no-deps --target /tmp/site "$here"/../.gpu/extra/*.whl
@@ -80,10 +103,14 @@ case "$stage" in
         "${DATA_GSM8K:-$here/../.gpu/gsm8k}" "$work/gsm8k-$name.json" "${flags[@]}" \
         --prefill-context-parallel-size "$@" > "$work/gsm8k-$name.log" 2>&1
     }
-    gsm8k pcp1 8201 1 &
-    gsm8k pcp2 8202 2 &
-    gsm8k pcp2-dcp2 8203 2 --decode-context-parallel-size 2 \
-      --additional-config '{"pcp_unverified_dcp": true}' &
+    for config in ${GSM8K_CONFIGS:-pcp1 pcp2 pcp2-dcp2}; do
+      case $config in
+        pcp1) gsm8k pcp1 8201 1 & ;;
+        pcp2) gsm8k pcp2 8202 2 & ;;
+        pcp2-dcp2) gsm8k pcp2-dcp2 8203 2 --decode-context-parallel-size 2 \
+                     --additional-config '{"pcp_unverified_dcp": true}' & ;;
+      esac
+    done
     wait; tail -n 3 "$work"/gsm8k-*.log ;;
   *) echo "unknown stage $stage" >&2; trap - EXIT; exit 2 ;;
 esac

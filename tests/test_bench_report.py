@@ -89,3 +89,12 @@ def test_gsm8k_rows_compare_every_config_with_pcp1(tmp_path):
     assert rows["pcp2-dcp2"]["delta_strict"] == -2.05
     assert not rows["pcp2-dcp2"]["within_tolerance"]
     assert "delta_strict" not in bench_report.gsm8k_rows(files[:1])["rows"][0]
+
+
+def test_bench_model_positions_cover_the_longest_prompt_and_its_decode(tmp_path):
+    import bench_pcp
+
+    out = bench_pcp.bench_model(str(tmp_path / "m"), "4096,200000")
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["max_position_embeddings"] >= 200000 + bench_pcp.ITL_TOKENS
+    assert config["num_hidden_layers"] == 36 and config["num_key_value_heads"] == 2
