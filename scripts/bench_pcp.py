@@ -77,7 +77,7 @@ def measure(args) -> None:
     engine_kwargs, _ = CONFIGS[args.config]
     max_len = _max_len(args.prompt_lens)
     extra = {}
-    if args.profile_len:
+    if args.profile_len or args.profile_decode:
         from vllm.config import ProfilerConfig
 
         extra["profiler_config"] = ProfilerConfig(
@@ -110,8 +110,21 @@ def measure(args) -> None:
         rows.append({"kind": "ttft", "prompt_len": n, "ttft_s": ttft})
         save()
         print(f"{args.config} ttft {n}: {statistics.median(ttft):.4f} s", flush=True)
+    cached_by_batch = _measure_itl(llm, prompts, args, rows, save)
+    if args.profile_len or args.profile_decode:  # after the timings, every rank
+        llm.start_profile()
+        if args.profile_len:  # one fresh prefill
+            _timed(llm, prompts(args.profile_len, 1), 1)
+        else:  # decode steps of one request at the ITL context (its prefix cached)
+            _timed(llm, cached_by_batch[1], 1 + args.profile_decode)
+        llm.stop_profile()  # profiler_out_RANK.txt: kernels by CUDA time
+
+
+def _measure_itl(llm, prompts, args, rows: list, save) -> dict:
+    """ITL rows at ``ITL_CONTEXT`` per batch size; returns each batch's prompts."""
+    cached_by_batch = {}
     for batch in ITL_BATCHES:
-        cached = prompts(ITL_CONTEXT, batch)
+        cached = cached_by_batch[batch] = prompts(ITL_CONTEXT, batch)
         _timed(llm, cached, 1 + ITL_TOKENS)  # warm-up; fills the prefix cache
         itl = []
         for _ in range(args.repeats):
@@ -122,10 +135,7 @@ def measure(args) -> None:
         save()
         print(f"{args.config} itl batch {batch}: {statistics.median(itl) * 1e3:.2f} ms",
               flush=True)
-    if args.profile_len:  # after the timings: one prefill under torch.profiler, every rank
-        llm.start_profile()
-        _timed(llm, prompts(args.profile_len, 1), 1)
-        llm.stop_profile()  # profiler_out_RANK.txt: kernels by CUDA time
+    return cached_by_batch
 
 
 def bench_model(out_dir: str = "/tmp/bench-models/qwen2.5-3b-shape",
@@ -145,7 +155,7 @@ def run(args) -> None:
            "parallel_one_gpu": args.parallel_one_gpu, "runs": []}
 
     def profiled(config: str) -> bool:
-        return bool(args.profile_len) and (
+        return bool(args.profile_len or args.profile_decode) and (
             not args.profile_configs or config in args.profile_configs.split(","))
 
     def one(config: str, env: dict) -> None:
@@ -153,7 +163,8 @@ def run(args) -> None:
         cmd = [sys.executable, __file__, "measure", "--config", config, "--model", model,
                "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
                "--out", out] + (["--eager"] if args.eager else []) + (
-                   ["--profile-len", str(args.profile_len), "--profile-dir",
+                   ["--profile-len", str(args.profile_len),
+                    "--profile-decode", str(args.profile_decode), "--profile-dir",
                     os.path.join(os.path.dirname(os.path.abspath(args.raw)),
                                  f"profile-{config}")] if profiled(config) else [])
         raw["runs"].append(run_worker(cmd, out, "rows", {"config": config},
@@ -214,6 +225,9 @@ def main() -> None:
     r.add_argument("--profile-len", type=int, default=0,
                    help="after the timings, profile one prefill of this many tokens "
                         "(vLLM's torch profiler; tables in profile-CONFIG/ beside --raw)")
+    r.add_argument("--profile-decode", type=int, default=0,
+                   help="instead of a prefill, profile this many decode steps at the ITL "
+                        "context, batch 1")
     r.add_argument("--profile-configs", default="",
                    help="comma-separated configurations to profile (default: all)")
     r.add_argument("--raw", required=True)
@@ -224,6 +238,7 @@ def main() -> None:
     m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--eager", action="store_true")
     m.add_argument("--profile-len", type=int, default=0)
+    m.add_argument("--profile-decode", type=int, default=0)
     m.add_argument("--profile-dir", default="")
     m.add_argument("--out", required=True)
     b = sub.add_parser("model", help="write the bench model's folder (for vllm serve)")

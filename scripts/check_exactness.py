@@ -163,6 +163,29 @@ def _truncate(output: dict, tokens: int) -> dict:
     return {"token_ids": output["token_ids"][:tokens], "logprobs": output["logprobs"][:tokens]}
 
 
+def _compare_run(model: str, label: str, run: dict, base: dict, tokens: int) -> list[dict]:
+    """One case per result of ``run`` against the same case of ``base``."""
+    cases = []
+    base_cases = {c["case"]: c for c in base["results"]}
+    for res in run["results"]:
+        pairs = zip(res["outputs"], base_cases[res["case"]]["outputs"])
+        if tokens:
+            pairs = [(_truncate(a, tokens), _truncate(b, tokens)) for a, b in pairs]
+        per_prompt = [compare_outputs(a, b) for a, b in pairs]
+        diverged = [p["first_divergence"] for p in per_prompt
+                    if p["first_divergence"] is not None]
+        case = {"model": model, "config": label, "case": res["case"],
+                "prompt_lens": res["prompt_lens"],
+                "first_divergence": min(diverged) if diverged else None,
+                "max_abs_logprob_diff": max(p["max_abs_logprob_diff"] for p in per_prompt),
+                "passed": all(p["passed"] for p in per_prompt)}
+        margins = [p["baseline_margin"] for p in per_prompt if "baseline_margin" in p]
+        if margins:
+            case["max_baseline_margin"] = max(margins)
+        cases.append(case)
+    return cases
+
+
 def compare(args) -> None:
     runs, host = {}, {}
     for path in args.raw:
@@ -183,24 +206,7 @@ def compare(args) -> None:
                           "max_abs_logprob_diff": None, "passed": False,
                           "error": (run.get("log_tail") or base.get("log_tail"))[-1500:]})
             continue
-        base_cases = {c["case"]: c for c in base["results"]}
-        for res in run["results"]:
-            ref = base_cases[res["case"]]
-            pairs = zip(res["outputs"], ref["outputs"])
-            if args.tokens:
-                pairs = [(_truncate(a, args.tokens), _truncate(b, args.tokens)) for a, b in pairs]
-            per_prompt = [compare_outputs(a, b) for a, b in pairs]
-            diverged = [p["first_divergence"] for p in per_prompt
-                        if p["first_divergence"] is not None]
-            case = {"model": model, "config": label, "case": res["case"],
-                    "prompt_lens": res["prompt_lens"],
-                    "first_divergence": min(diverged) if diverged else None,
-                    "max_abs_logprob_diff": max(p["max_abs_logprob_diff"] for p in per_prompt),
-                    "passed": all(p["passed"] for p in per_prompt)}
-            margins = [p["baseline_margin"] for p in per_prompt if "baseline_margin" in p]
-            if margins:
-                case["max_baseline_margin"] = max(margins)
-            cases.append(case)
+        cases += _compare_run(model, label, run, base, args.tokens)
     meta = {"git_rev": args.git_rev, "command": args.command, "gpu": host.get("gpu"),
             "vllm": host.get("vllm"), "flashinfer": host.get("flashinfer"),
             "torch": host.get("torch"), "date": args.date or datetime.date.today().isoformat()}

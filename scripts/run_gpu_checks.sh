@@ -25,7 +25,8 @@
 #   bench-serve  vllm bench serve at concurrency 4 and 16 against one server at a time
 #              (SERVE_CONFIGS, default "pcp1 pcp2 tp2"; INPUT_LEN 16384, PROMPTS 16), the
 #              bench model with dummy weights, Qwen2.5-Coder's tokenizer (same vocabulary)
-# bench: BENCH_CONFIGS, BENCH_PROMPT_LENS override; BENCH_PARALLEL_ONE_GPU= (empty) runs the
+# bench: BENCH_CONFIGS, BENCH_PROMPT_LENS, BENCH_PROFILE ("--profile-decode 16": decode steps
+# instead of a 32K prefill) override; BENCH_PARALLEL_ONE_GPU= (empty) runs the
 # one-GPU configurations one after the other (cleaner ITL)
 # Work files go to /tmp/gpu-checks/STAGE (GPU_CHECKS_DIR overrides /tmp/gpu-checks); OUT_DIR
 # gets them as one STAGE.tgz (the device returns few files) and a summary on stdout. scripts/check_exactness.py compare and
@@ -69,8 +70,8 @@ case "$stage" in
   bench)
     python3 "$here/bench_pcp.py" run --eager ${BENCH_PARALLEL_ONE_GPU---parallel-one-gpu} \
       --configs "${BENCH_CONFIGS:-pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2}" \
-      --prompt-lens "${BENCH_PROMPT_LENS:-4096,32768,131072}" --profile-len 32768 \
-      --profile-configs pcp1,pcp2,pcp2-dcp2 \
+      --prompt-lens "${BENCH_PROMPT_LENS:-4096,32768,131072}" \
+      ${BENCH_PROFILE:---profile-len 32768} --profile-configs pcp1,pcp2,pcp2-dcp2 \
       --raw "$work/bench.json" \
       2>&1 | tee "$work/bench.log" | grep -E "^(pcp|tp)" ;;
   bench-serve)  # one server at a time: vllm bench serve times them
