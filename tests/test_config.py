@@ -129,3 +129,14 @@ def test_the_builder_refuses_an_automatic_flashinfer_dcp_at_pcp1():
     cfg = _config(pcp=1, decode_context_parallel_size=2)
     with pytest.raises(PCPConfigError, match="-pcp 2 -dcp 2"):
         PCPFlashInferMetadataBuilder(None, [], cfg, "cpu")
+
+
+def test_a_split_threshold_above_the_token_budget_is_warned_about():
+    from vllm_pcp.config import _warnings
+
+    cfg = _config()
+    cfg.scheduler_config = SimpleNamespace(max_num_batched_tokens=2048)
+    assert _warnings(cfg, PCPKnobs(min_split_tokens=2048)) == []
+    (msg,) = _warnings(cfg, PCPKnobs(min_split_tokens=8192))
+    assert "pcp_min_split_tokens 8192" in msg and "--max-num-batched-tokens 2048" in msg
+    assert prepare_pcp_config(cfg)  # accepted, with the warning logged

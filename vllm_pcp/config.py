@@ -154,15 +154,33 @@ def prepare_pcp_config(vllm_config) -> bool:
     parallel.worker_cls = WORKER_CLS
     if parallel.decode_context_parallel_size > 1:
         _disable_cuda_graphs(vllm_config)
+    for warning in _warnings(vllm_config, knobs):
+        _logger().warning("%s", warning)
     return True
+
+
+def _warnings(vllm_config, knobs: PCPKnobs) -> list[str]:
+    """Accepted but probably unintended: a split threshold no step can reach."""
+    budget = getattr(getattr(vllm_config, "scheduler_config", None),
+                     "max_num_batched_tokens", None)
+    if budget and knobs.min_split_tokens > budget:
+        return [f"pcp_min_split_tokens {knobs.min_split_tokens} exceeds "
+                f"--max-num-batched-tokens {budget}: no prefill will be split across the "
+                "PCP ranks; lower the knob or raise the token budget"]
+    return []
+
+
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.vllm_pcp.config")
 
 
 def _disable_cuda_graphs(vllm_config) -> None:
     from vllm.config import CUDAGraphMode
-    from vllm.logger import init_logger
 
     compilation = vllm_config.compilation_config
     if compilation.cudagraph_mode != CUDAGraphMode.NONE:
         compilation.cudagraph_mode = CUDAGraphMode.NONE
-        init_logger("vllm.vllm_pcp.config").info(
+        _logger().info(
             "PCP x DCP runs without CUDA graphs: cudagraph_mode set to NONE")
