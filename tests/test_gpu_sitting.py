@@ -42,3 +42,20 @@ def test_stages_run_in_order_and_plus_joined_ones_at_once(tmp_path):
     names = tarfile.open(out / "snapshot.tgz").getnames()
     assert "checks/c/c.json" in names and "checks/a/a.json" in names
     assert not any(n.endswith(".pt.trace.json.gz") for n in names)
+
+
+def test_jit_cache_travels_in_parts_and_unpacks_on_the_next_host(tmp_path):
+    env = _sitting(tmp_path)
+    cache = tmp_path / "home1" / ".cache" / "flashinfer" / "0.6.14" / "90"
+    cache.mkdir(parents=True)
+    (cache / "kernel.so").write_bytes(os.urandom(40 << 20))  # incompressible: 3 parts
+    script = str(tmp_path / "gpu_sitting.sh")
+    subprocess.run(["bash", script, "jit", str(tmp_path / "out")], check=True, timeout=60,
+                   env={**env, "HOME": str(tmp_path / "home1")}, capture_output=True)
+    parts = sorted(os.listdir(tmp_path / "out" / "jit"))
+    assert parts == ["part-00", "part-01", "part-02"]
+    assert all(os.path.getsize(tmp_path / "out" / "jit" / p) <= 15 << 20 for p in parts)
+    subprocess.run(["bash", script, "restore-jit", str(tmp_path / "out" / "jit")], check=True,
+                   timeout=60, env={**env, "HOME": str(tmp_path / "home2")})
+    restored = tmp_path / "home2" / ".cache" / "flashinfer" / "0.6.14" / "90" / "kernel.so"
+    assert restored.read_bytes() == (cache / "kernel.so").read_bytes()
