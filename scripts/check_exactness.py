@@ -40,7 +40,8 @@ CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
            # a per-rank KV pool smaller than the longest prompt: only the sharded cache fits it
            "pcp2-dcp2-i8-smallpool": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
                                       "--kv-pool-tokens", str(SMALL_POOL_TOKENS)]}
-BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1", "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
+BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1",
+            "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
             **{c: "pcp1" for c in CONFIGS if c.startswith("pcp2-dcp2")}}
 SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
                  "qwen2.5-coder-0.5b": "/tmp/models/qwen2.5-coder-0.5b"}
@@ -239,21 +240,14 @@ def _kv_capacity(runs: dict, bench_runs: list | None = None) -> dict:
     at its gpu_memory_utilization) if given, else from the first pair of exactness
     runs of the same model and variant (both at the fixed pool of ``--kv-cache-gib``).
     ``beyond_one_gpu``: each small-pool run, with its per-rank pool and longest prompt."""
-    out = {}
     bench = {r["config"]: r["kv_capacity_tokens"] for r in bench_runs or []
              if "kv_capacity_tokens" in r}
     if "pcp2" in bench and "pcp2-dcp2" in bench:
         out = {"source": "bench_pcp.py, gpu_memory_utilization 0.85",
                "pcp2_tokens": bench["pcp2"], "pcp2_dcp2_tokens": bench["pcp2-dcp2"],
                "ratio": round(bench["pcp2-dcp2"] / bench["pcp2"], 4)}
-    for (model, variant, config), run in sorted(runs.items()):
-        base = runs.get((model, variant, "pcp2"), {})
-        if not out and config.startswith("pcp2-dcp2") and "kv_capacity_tokens" in run and \
-                "kv_capacity_tokens" in base:
-            ratio = run["kv_capacity_tokens"] / base["kv_capacity_tokens"]
-            out = {"model": model, "variant": variant,
-                   "pcp2_tokens": base["kv_capacity_tokens"],
-                   "pcp2_dcp2_tokens": run["kv_capacity_tokens"], "ratio": round(ratio, 4)}
+    else:
+        out = _fixed_pool_capacity(runs)
     small = [{"model": model, "variant": variant, "config": config,
               "per_rank_pool_tokens": run["kv_capacity_tokens"] // 2,
               "longest_prompt": max(n for r in run["results"] for n in r["prompt_lens"])}
@@ -263,6 +257,20 @@ def _kv_capacity(runs: dict, bench_runs: list | None = None) -> dict:
     if small:
         out["beyond_one_gpu"] = small
     return out
+
+
+def _fixed_pool_capacity(runs: dict) -> dict:
+    """The first pcp2-dcp2 run and the pcp2 run of its model and variant, both at
+    the fixed pool of ``--kv-cache-gib``."""
+    for (model, variant, config), run in sorted(runs.items()):
+        base = runs.get((model, variant, "pcp2"), {})
+        if config.startswith("pcp2-dcp2") and "kv_capacity_tokens" in run and \
+                "kv_capacity_tokens" in base:
+            ratio = run["kv_capacity_tokens"] / base["kv_capacity_tokens"]
+            return {"model": model, "variant": variant,
+                    "pcp2_tokens": base["kv_capacity_tokens"],
+                    "pcp2_dcp2_tokens": run["kv_capacity_tokens"], "ratio": round(ratio, 4)}
+    return {}
 
 
 def main() -> None:

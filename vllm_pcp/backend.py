@@ -100,10 +100,9 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         parallel = vllm_config.parallel_config
         if parallel.prefill_context_parallel_size == 1 and \
                 parallel.decode_context_parallel_size > 1:
-            from vllm_pcp.config import STOCK_FLASHINFER_DCP, PCPConfigError
+            from vllm_pcp.config import stock_flashinfer_dcp_error
 
-            raise PCPConfigError("vllm-pcp: " + STOCK_FLASHINFER_DCP.format(
-                dcp=parallel.decode_context_parallel_size))
+            raise stock_flashinfer_dcp_error(parallel.decode_context_parallel_size)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if parallel.prefill_context_parallel_size > 1:
             grow_row_buffers(self, 2 * vllm_config.scheduler_config.max_num_seqs)

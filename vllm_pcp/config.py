@@ -110,11 +110,13 @@ def _refusals(vllm_config) -> list[str]:
     return out
 
 
-STOCK_FLASHINFER_DCP = (
-    "--decode-context-parallel-size {dcp} at PCP = 1 on FLASHINFER runs vLLM 0.26.0's own "
-    "FlashInfer DCP, whose tokens differ from one GPU's (measured on 2 x H200: from the first "
-    "generated token); pass --attention-backend FLASH_ATTN, or use -pcp {dcp} -dcp {dcp}, whose "
-    "DCP is vllm-pcp's")
+def stock_flashinfer_dcp_error(dcp: int) -> PCPConfigError:
+    """The refusal of vLLM's own FlashInfer DCP (PCP = 1, DCP = ``dcp``)."""
+    return PCPConfigError(
+        f"vllm-pcp: --decode-context-parallel-size {dcp} at PCP = 1 on FLASHINFER runs vLLM "
+        "0.26.0's own FlashInfer DCP, whose tokens differ from one GPU's (measured on 2 x H200: "
+        "from the first generated token); pass --attention-backend FLASH_ATTN, or use "
+        f"-pcp {dcp} -dcp {dcp}, whose DCP is vllm-pcp's")
 
 
 def refuse_stock_flashinfer_dcp(vllm_config) -> None:
@@ -126,7 +128,7 @@ def refuse_stock_flashinfer_dcp(vllm_config) -> None:
     if parallel.prefill_context_parallel_size > 1 or dcp <= 1 or model is None or \
             model.use_mla or _attention_backend_name(vllm_config) != "FLASHINFER":
         return
-    raise PCPConfigError("vllm-pcp: " + STOCK_FLASHINFER_DCP.format(dcp=dcp))
+    raise stock_flashinfer_dcp_error(dcp)
 
 
 def prepare_pcp_config(vllm_config) -> bool:
