@@ -13,7 +13,7 @@
 #   exact-dcp  PCP x DCP at interleave 1, 8, 16 against PCP=1, 256 greedy tokens; one GPU
 #              on FlashAttention against FlashInfer (the noise floor of a kernel change);
 #              one run whose KV pool per rank (20480 tokens) is smaller than its longest
-#              prompt (32768)
+#              prompt (32768); DCP_UNCHUNKED_CONFIGS picks that lane's configurations
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
@@ -64,7 +64,8 @@ case "$stage" in
       --raw "$work/raw-dcp.json" \
       > "$work/dcp.log" 2>&1 &
     lanes --lanes 1 --models qwen2.5-3b-shape --variants unchunked --max-tokens 256 \
-      --configs pcp1,pcp2-dcp2-i8,pcp2-dcp2-i8-smallpool --raw "$work/raw-dcp-unchunked.json" \
+      --configs "${DCP_UNCHUNKED_CONFIGS:-pcp1,pcp2-dcp2-i8,pcp2-dcp2-i8-smallpool}" \
+      --raw "$work/raw-dcp-unchunked.json" \
       > "$work/dcp-u.log" 2>&1 &
     wait; tail -n 30 "$work"/dcp.log "$work"/dcp-u.log ;;
   bench)

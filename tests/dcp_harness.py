@@ -82,6 +82,8 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
         attn = DCPAttention(workspace, hq, hkv, dim, page_size, dtype, 1 / math.sqrt(dim),
                             kv_layout)
         attn.plan(plan, table)
+        if plan.decode is not None:  # the runner's decode step: step order, no restore
+            return attn.run(group.rank(rank), q.to(device, dtype), None, None, cache).cpu()
         local = plan.pcp.local_token_indices.to(device)
         out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_step, v_step, cache)
         restored = restore_hidden_states(group.rank(rank), out.reshape(out.shape[0], -1),

@@ -30,9 +30,12 @@ class _Wrapper:
         self.o_dtype = o_data_type or q_data_type
         assert self.o_dtype in self.dtypes, "FlashInfer 0.6.14 JIT: no such output dtype"
 
-    def _finish(self, out, lse, into, return_lse):
+    def _finish(self, out, lse, into, return_lse, lse_into=None):
         assert into is not None and into.dtype == self.o_dtype, "out must be o_data_type"
         into.copy_(out)
+        if lse_into is not None:  # FlashInfer checks shape, dtype and device only
+            assert lse_into.shape == lse.shape and lse_into.dtype == torch.float32
+            lse = lse_into.copy_(lse)
         return (into, lse) if return_lse else into
 
 
@@ -54,15 +57,15 @@ class _Paged(_Wrapper):
         self.last, self.causal = last.cpu(), causal
         self._plan_common(**kw)
 
-    def run(self, q, kv_cache, out=None, return_lse=False):
+    def run(self, q, kv_cache, out=None, lse=None, return_lse=False):
         k_cache, v_cache = kv_cache
 
         def kv(r):
             pages = self.indices[self.indptr[r]:self.indptr[r + 1]].long()
             n = (len(pages) - 1) * k_cache.shape[1] + int(self.last[r])
             return (k_cache[pages].flatten(0, 1)[:n], v_cache[pages].flatten(0, 1)[:n])
-        o, lse = _rows(q, self.qo, kv, self.causal)
-        return self._finish(o, lse, out, return_lse)
+        o, s = _rows(q, self.qo, kv, self.causal)
+        return self._finish(o, s, out, return_lse, lse)
 
 
 def _rows(q, qo, kv_of_row, causal):
@@ -136,3 +139,31 @@ def test_dcp_attention_steps_without_split_context(float32_flashinfer, computed,
                                 scheduled=scheduled)
     for out in outs:
         torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+FOLDED_DECODES = [([40, 17, 77, 300], [1, 1, 1, 1]), ([9], [1])]
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (2, 8), (4, 1)])
+@pytest.mark.parametrize("computed,scheduled", FOLDED_DECODES)
+def test_decode_steps_attend_the_shard_once(float32_flashinfer, world, interleave, computed,
+                                           scheduled):
+    """One paged call per rank with the new token in its owner's shard, one packed
+    all-gather, one merge: the same output as one process, on every rank."""
+    from vllm_pcp.dcp_plan import build_dcp_plan
+
+    assert build_dcp_plan(computed, scheduled, world, 0, interleave).decode is not None
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.float32,
+                                computed=computed, scheduled=scheduled)
+    for out in outs:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_decode_steps_in_bf16(reference_flashinfer, world):
+    outs, expect = run_dcp_step(world, 1, 2, "cpu", torch.bfloat16,
+                                computed=FOLDED_DECODES[0][0], scheduled=FOLDED_DECODES[0][1])
+    for out in outs:
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expect, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(out, outs[0], atol=0, rtol=0)  # identical on every rank

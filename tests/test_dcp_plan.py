@@ -65,3 +65,29 @@ def test_paged_kv_layout_lists_each_rows_pages():
 def test_rejects_a_rank_outside_the_group():
     with pytest.raises(ValueError):
         build_dcp_plan(COMPUTED, SCHEDULED, 2, 2, 1)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
+def test_decode_steps_fold_the_new_token_into_the_shard(world, interleave):
+    # the first request's last rank owns exactly one token: the new one
+    computed = [interleave * (world - 1), 40, 300]
+    plans = [build_dcp_plan(computed, [1, 1, 1], world, r, interleave) for r in range(world)]
+    for p in plans:
+        d = p.decode
+        assert d.query_index.tolist() == [0, 1, 2] and d.req.tolist() == [0, 1, 2]
+        assert d.qo_indptr.tolist() == [0, 1, 2, 3] and (d.kv_len > 0).all()
+        expect = dcp_local_seq_len(torch.tensor(computed) + 1, p.dcp_rank, world, interleave)
+        assert d.kv_len.tolist() == expect.tolist()
+        # a pure decode step's local tokens are the step's tokens, in order
+        assert p.pcp.local_token_indices.tolist() == [0, 1, 2]
+    assert sum(p.decode.kv_len for p in plans).tolist() == [c + 1 for c in computed]
+
+
+@pytest.mark.parametrize("computed,scheduled", [
+    ([15, 40], [1, 1]),   # rank 1 owns none of request 0's 16 tokens
+    ([40, 0], [1, 5]),    # a prefill in the step
+    ([40], [2]),          # two tokens of one request (speculative decoding)
+    ([], [])])            # nothing scheduled
+def test_steps_that_cannot_fold_keep_the_general_plan(computed, scheduled):
+    for rank in range(2):  # the same answer on every rank: the collectives differ
+        assert build_dcp_plan(computed, scheduled, 2, rank, 16).decode is None

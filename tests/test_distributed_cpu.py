@@ -40,11 +40,12 @@ class GlooGroup:
         return torch.cat(parts, dim=dim)
 
 
-def _batch(seed, hq, hkv):
+def _batch(seed, hq, hkv, computed=(0, 37, 0, 5, 0, 60, 21), scheduled=None):
     """Same tensors on every rank: prior KV of each request plus the new tokens."""
     g = torch.Generator().manual_seed(seed)
-    computed = [0, 37, 0, 5, 0, 60, 21]
-    scheduled = [1 + seed % 3, 90, 1, 200, 13, 1, 3]  # short, long, decode, ...
+    computed = list(computed)
+    if scheduled is None:
+        scheduled = [1 + seed % 3, 90, 1, 200, 13, 1, 3]  # short, long, decode, ...
     total = sum(scheduled)
     new = {n: torch.randn(total, h, HEAD_DIM, generator=g)
            for n, h in (("q", hq), ("k", hkv), ("v", hkv))}
@@ -122,6 +123,8 @@ def _pcp_dcp_attention(rank, world, interleave, computed, scheduled, new, prior,
         assert torch.equal(shard[req][0][: int(owned.sum())], full_k[owned])
         start += s
     out = pcp_dcp_rank_attention(plan, group, new["q"][local], k_step, v_step, shard)
+    if plan.decode is not None:  # step order on every rank, nothing to restore
+        return out
     flat = out.reshape(out.shape[0], -1)
     restored = restore_hidden_states(group, flat, meta.num_padded_tokens_per_rank,
                                      meta.restore_indices)
@@ -161,6 +164,11 @@ def _worker(rank, world, port, results):
                     got = _pcp_dcp_attention(rank, world, interleave, *batch, min_split)
                     torch.testing.assert_close(got, _full_attention(*batch),
                                                atol=1e-5, rtol=1e-5)
+                # a pure decode step: the new token sits in its owner's shard
+                batch = _batch(interleave, hq, hkv, (48, 61, 300), [1, 1, 1])
+                assert build_dcp_plan(batch[0], batch[1], world, rank, interleave).decode
+                got = _pcp_dcp_attention(rank, world, interleave, *batch, 2)
+                torch.testing.assert_close(got, _full_attention(*batch), atol=1e-5, rtol=1e-5)
         results[rank] = "ok"
     except Exception as exc:  # reported to the parent, which fails the test
         results[rank] = f"{type(exc).__name__}: {exc}"

@@ -28,8 +28,9 @@ class _RecordingBuilder(PCPFlashInferMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         return SimpleNamespace(cm=common_attn_metadata)
 
-    def build_dcp(self, plan, block_table, exchange):
-        return SimpleNamespace(plan=plan, block_table=block_table, pcp_exchange=exchange)
+    def build_dcp(self, plan, block_table, group, exchange):
+        return SimpleNamespace(plan=plan, block_table=block_table, group=group,
+                               pcp_exchange=exchange)
 
 
 def _global_positions():
@@ -230,6 +231,22 @@ def test_dcp_steps_plan_every_step_with_the_sharded_layout(monkeypatch):
     assert torch.equal(gathered[idx >= 0], slots[idx[idx >= 0]])
 
 
+def test_dcp_decode_steps_run_stock_with_the_plugins_attention(monkeypatch):
+    runner = _make_runner(ThreadGroup(2), 1)
+    runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
+    runner.input_batch.num_computed_tokens_cpu = np.array([30, 9, 17, 12], np.int32)
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
+    runner._prepare_inputs(None, np.array([1, 1, 1, 1], np.int32))
+    plan = runner._pcp_plan
+    assert plan.decode is not None
+    metadata = runner._build_attention_metadata(slot_mappings={0: _global_slots()})[0]
+    md = metadata["l0"]
+    assert metadata["l1"] is md and md.plan is plan and torch.equal(md.block_table, BLOCKS[:4])
+    # no K/V exchange (stock cache write) and no step to restore (stock forward)
+    assert md.pcp_exchange is None and runner._pcp_step is None
+    assert md.group is runner.pcp_group
+
+
 def test_dcp_kv_update_keeps_the_step_kv_for_attention(monkeypatch):
     group = ThreadGroup(2)
     monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update", lambda *a: None)
@@ -266,7 +283,7 @@ def test_dcp_forward_runs_the_planned_attention(monkeypatch):
     impl = object.__new__(PCPFlashInferImpl)
     impl.head_size, impl.dcp_world_size, impl.pcp_world_size = 4, 2, 2
     ex = PCPKVExchange("group", 8, step_kv=("k", "v"))
-    md = PCPDCPMetadata(FakeAttention(), ex, num_local_tokens=3)
+    md = PCPDCPMetadata(FakeAttention(), "group", ex, num_local_tokens=3)
     query = torch.randn(5, 2, 4)
     output = torch.zeros(5, 2, 4)
     kv_cache = torch.zeros(6, 1, 16, 8)  # (blocks, kv heads, block size, 2 * head size)
@@ -274,6 +291,10 @@ def test_dcp_forward_runs_the_planned_attention(monkeypatch):
     torch.testing.assert_close(output[:3], query[:3] * 2)
     assert (output[3:] == 0).all()
     assert calls == [("group", (3, 2, 4), "k", (6, 16, 1, 4))]
+    # A decode step has no exchange: the attention reads no step K/V.
+    impl.forward(None, query, None, None, kv_cache,
+                 PCPDCPMetadata(FakeAttention(), "group", None, 3), output)
+    assert calls[-1] == ("group", (3, 2, 4), None, (6, 16, 1, 4))
     # Any other metadata under PCP x DCP is a warm-up run: zeros, no stock DCP path.
     output.fill_(1)
     impl.forward(None, query, None, None, kv_cache, SimpleNamespace(), output)
@@ -302,11 +323,12 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
     builder.page_size, builder.q_data_type_prefill = 16, torch.bfloat16
     builder.global_hyperparameters = SimpleNamespace(sm_scale=0.125)
     plan = SimpleNamespace(pcp=SimpleNamespace(num_local_tokens=7))
-    first = builder.build_dcp(plan, "table", "exchange")
-    second = builder.build_dcp(plan, "table2", "exchange")
+    first = builder.build_dcp(plan, "table", "group", "exchange")
+    second = builder.build_dcp(plan, "table2", "group", None)
     assert made == [("ws", 8, 2, 64, 16, torch.bfloat16, 0.125, "HND")]
     assert first.attention is second.attention and second.attention.planned == (plan, "table2")
-    assert second.num_local_tokens == 7 and second.pcp_exchange == "exchange"
+    assert first.pcp_exchange == "exchange" and second.pcp_exchange is None
+    assert second.num_local_tokens == 7 and second.group == "group"
 
 
 def test_row_buffers_hold_two_rows_per_request():

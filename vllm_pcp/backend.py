@@ -44,7 +44,8 @@ class PCPDCPMetadata:
     """Attention metadata of a PCP x DCP step (replaces FlashInferMetadata)."""
 
     attention: object  # vllm_pcp.dcp_attention.DCPAttention, planned for the step
-    pcp_exchange: PCPKVExchange
+    group: object  # vLLM GroupCoordinator of the PCP (= DCP) ranks
+    pcp_exchange: PCPKVExchange | None  # None on a decode step: stock cache write
     num_local_tokens: int
 
 
@@ -76,11 +77,11 @@ class PCPFlashInferImpl(FlashInferImpl):
         if output_scale is not None:
             raise NotImplementedError("PCP x DCP does not fuse output quantization")
         exchange, n = attn_metadata.pcp_exchange, attn_metadata.num_local_tokens
-        k_step, v_step = exchange.step_kv
+        k_step, v_step = (None, None) if exchange is None else exchange.step_kv
         # Zero-copy; a 1-kv-head cache gets TMA-legal strides, as vLLM's forward does.
         cache = canonicalize_singleton_dim_strides(
             kv_cache.permute(*FlashInferBackend.get_kv_cache_stride_order()))
-        out = attn_metadata.attention.run(exchange.group, query[:n], k_step, v_step,
+        out = attn_metadata.attention.run(attn_metadata.group, query[:n], k_step, v_step,
                                           cache.split(self.head_size, dim=-1))
         output[:n].copy_(out)
         return output
@@ -112,8 +113,8 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         metadata.pcp_exchange = getattr(common_attn_metadata, "pcp_exchange", None)
         return metadata
 
-    def build_dcp(self, plan, block_table: torch.Tensor,
-                  exchange: PCPKVExchange) -> PCPDCPMetadata:
+    def build_dcp(self, plan, block_table: torch.Tensor, group,
+                  exchange: PCPKVExchange | None) -> PCPDCPMetadata:
         """Plan a PCP x DCP step (``plan``: a DCPAttentionPlan) once for all layers."""
         if self._dcp_attention is None:
             from vllm.v1.attention.backends.utils import get_kv_cache_layout
@@ -125,7 +126,7 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 self.head_dim, self.page_size, self.q_data_type_prefill,
                 self.global_hyperparameters.sm_scale, get_kv_cache_layout())
         self._dcp_attention.plan(plan, block_table)
-        return PCPDCPMetadata(self._dcp_attention, exchange, plan.pcp.num_local_tokens)
+        return PCPDCPMetadata(self._dcp_attention, group, exchange, plan.pcp.num_local_tokens)
 
 
 def grow_row_buffers(builder: FlashInferMetadataBuilder, max_rows: int) -> None:

@@ -10,6 +10,9 @@ calls, mirroring :func:`vllm_pcp.reference.pcp_dcp_rank_attention`:
     replicated ctx  the same kernel over this rank's own copies -> all-gather
     merge           flashinfer.merge_states / merge_state, base-2 LSE
 
+A pure decode step (``plan.decode``) is one paged call over the shard, the new
+token included, then one all-gather of the packed ``(out, lse)`` and one merge.
+
 Partial states are in the model dtype: FlashInfer 0.6.14 builds no attention
 kernel with float32 outputs (its JIT names output dtypes of 8 and 16 bits only),
 and its merge kernels take 16-bit values. Each piece is rounded once before the
@@ -86,6 +89,9 @@ class DCPAttention:
         dev = block_table.device
         hq, hkv, dim = self.heads
         self.plan_ = plan
+        if plan.decode is not None:
+            self._plan_paged(self._rep, plan.decode, block_table)
+            return
 
         def to_dev(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.to(dev, non_blocking=True)
@@ -121,7 +127,10 @@ class DCPAttention:
     def run(self, group, q_local: torch.Tensor, k_step: torch.Tensor, v_step: torch.Tensor,
             kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``q_local [L, Hq, D]``, ``k_step/v_step [T, Hkv, D]`` (step order),
-        ``kv_cache`` this rank's paged (K, V) in ``kv_layout``. Returns ``[L, Hq, D]``."""
+        ``kv_cache`` this rank's paged (K, V) in ``kv_layout``. Returns ``[L, Hq, D]``.
+        On a decode step ``q_local`` is the step's tokens and K/V are not read."""
+        if self.plan_.decode is not None:
+            return self._run_decode(group, q_local, kv_cache)
         out, lse = self._new.run(q_local, k_step.index_select(0, self.new_kv_index),
                                  v_step.index_select(0, self.new_kv_index),
                                  out=self._out_like(q_local), return_lse=True)
@@ -144,6 +153,25 @@ class DCPAttention:
             out[rep_index], lse[rep_index] = self._merge_state(
                 ctx_o, ctx_s, out[rep_index], lse[rep_index])
         return out
+
+    def _run_decode(self, group, q: torch.Tensor, kv_cache) -> torch.Tensor:
+        """Every rank's shard partial of ``q [B, Hq, D]``, packed with its LSE into
+        one buffer, all-gathered (``B`` is the same on every rank) and merged."""
+        n, (rows, hq, dim) = group.world_size, q.shape
+        size, lse_size = rows * hq * dim, rows * hq * 4 // self.dtype.itemsize
+        # Each rank's block starts 128-byte aligned, as the merge kernels' vector loads need.
+        block = -(-(size + lse_size) * self.dtype.itemsize // 128) * 128 // self.dtype.itemsize
+        send = torch.empty(block, dtype=self.dtype, device=q.device)
+        out = send[:size].view(rows, hq, dim)
+        lse = send[size:size + lse_size].view(torch.float32).view(rows, hq)
+        self._rep.run(q, kv_cache, out=out, lse=lse, return_lse=True)
+        recv = group.all_gather(send, dim=0).view(n, block)
+        outs = recv[:, :size].view(n, rows, hq, dim)
+        lses = recv[:, size:size + lse_size].view(torch.float32).view(n, rows, hq)
+        if n == 2:
+            return self._merge_state(outs[0], lses[0], outs[1], lses[1])[0]
+        return self._merge_states(outs.transpose(0, 1).contiguous(),
+                                  lses.transpose(0, 1).contiguous())[0]
 
     def _no_context(self, rows: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Partial states of ``rows`` queries that saw no keys: zero output,

@@ -17,6 +17,12 @@ computed before this step needs two pieces of keys::
                         the partials
     result            merge(context, new)
 
+A pure decode step (one token per request, and every rank stores at least one
+token of every request) takes a shorter road. The cache write comes before
+attention, so the new token is already in its owner's shard: each rank attends
+its shard once (``decode`` rows, the new token counted), one all-gather of the
+partials, one merge. No K/V exchange, no new part, no restore of the outputs.
+
 Pure functions of the scheduler output, like :mod:`vllm_pcp.partition`. Every
 collective size here -- ``N * P`` gathered queries, the replicated-token count
 -- is the same on every rank.
@@ -64,7 +70,10 @@ class DCPAttentionPlan:
     reads ``new_kv_token_index[new_kv_indptr[j]:new_kv_indptr[j + 1]]`` (global
     token indices, step order) for local row j, causally. ``ctx_split`` reads
     the all-gathered query buffer ``[N * P]``; ``ctx_replicated`` reads local
-    queries, in an order that is the same on every rank.
+    queries, in an order that is the same on every rank. ``decode`` is set on a
+    pure decode step only (:func:`is_folded_decode`): row i is request i, its
+    query is step token i, and ``kv_len`` counts the shard's tokens with the
+    new one; the other fields are then unused by the attention.
     """
 
     pcp: PrefillContextParallelMetadata
@@ -75,6 +84,7 @@ class DCPAttentionPlan:
     new_kv_indptr: torch.Tensor
     ctx_split: AttentionRows
     ctx_replicated: AttentionRows
+    decode: AttentionRows | None = None
 
 
 def _rows(starts: np.ndarray, lens: np.ndarray, reqs: np.ndarray,
@@ -93,6 +103,23 @@ def _rows_of(meta: PrefillContextParallelMetadata, wanted: np.ndarray):
     qsl = meta.query_start_loc.numpy().astype(np.int64)
     keep = np.flatnonzero(wanted[req])
     return req[keep], qsl[:-1][keep], np.diff(qsl)[keep]
+
+
+def is_folded_decode(num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
+                     world_size: int, interleave: int) -> bool:
+    """True when every request decodes one token and every rank stores at least one
+    of its tokens (the new one included). Scheduler output only: the same on every rank."""
+    seq_lens = num_computed_tokens + num_scheduled_tokens
+    return (len(num_scheduled_tokens) > 0 and bool((num_scheduled_tokens == 1).all())
+            and bool((seq_lens > interleave * (world_size - 1)).all()))
+
+
+def _decode_rows(computed: np.ndarray, rank: int, world_size: int,
+                 interleave: int) -> AttentionRows:
+    """Request i attends with step token i to its shard, the new token included."""
+    reqs = np.arange(len(computed))
+    kv = dcp_local_seq_len(torch.from_numpy(computed + 1), rank, world_size, interleave)
+    return _rows(reqs, np.ones_like(reqs), reqs, kv.numpy())
 
 
 def build_dcp_plan(
@@ -140,4 +167,6 @@ def build_dcp_plan(
         new_kv_indptr=torch.from_numpy(np.concatenate([[0], np.cumsum(new_lens)])
                                        .astype(np.int32)),
         ctx_split=_rows(s_start, s_len, s_req, local_kv[s_req]),
-        ctx_replicated=_rows(r_start[order], r_len[order], r_req[order], local_kv[r_req[order]]))
+        ctx_replicated=_rows(r_start[order], r_len[order], r_req[order], local_kv[r_req[order]]),
+        decode=(_decode_rows(computed, rank, world_size, interleave)
+                if is_folded_decode(computed, scheduled, world_size, interleave) else None))

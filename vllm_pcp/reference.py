@@ -143,6 +143,14 @@ def _attend_rows(rows, queries, kv_per_request, out, lse, causal) -> None:
                                               causal=causal)
 
 
+def _decode_rank_attention(rows, group, q: torch.Tensor, shard: list) -> torch.Tensor:
+    """A pure decode step: each rank's partial over its shard, merged across ranks."""
+    out, lse = _empty_state(q.shape[0], q)
+    _attend_rows(rows, q, shard, out, lse, causal=False)
+    return merge_states(group.all_gather(out.unsqueeze(1), dim=1),
+                        group.all_gather(lse.unsqueeze(1), dim=1))[0]
+
+
 def pcp_dcp_rank_attention(plan, group, q_local: torch.Tensor, k_step: torch.Tensor,
                            v_step: torch.Tensor, shard: list) -> torch.Tensor:
     """One rank's attention under PCP x DCP, following a ``DCPAttentionPlan``.
@@ -156,7 +164,8 @@ def pcp_dcp_rank_attention(plan, group, q_local: torch.Tensor, k_step: torch.Ten
     k_step, v_step : torch.Tensor
         ``[T, Hkv, D]`` this step's new K/V of every rank, step order.
     shard : list of (k, v)
-        Per request, this rank's stored KV in local-offset order.
+        Per request, this rank's stored KV in local-offset order, this step's
+        tokens included (the cache write comes first).
 
     Returns
     -------
@@ -165,6 +174,8 @@ def pcp_dcp_rank_attention(plan, group, q_local: torch.Tensor, k_step: torch.Ten
     """
     from vllm_pcp.exchange import all_gather_padded, all_to_all
 
+    if plan.decode is not None:  # q_local: the step's tokens; shard: the new ones included
+        return _decode_rank_attention(plan.decode, group, q_local, shard)
     n, pcp = group.world_size, plan.pcp
     qsl, padded = pcp.query_start_loc, pcp.num_padded_tokens_per_rank
     num_local = q_local.shape[0]

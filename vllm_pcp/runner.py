@@ -27,7 +27,9 @@ captured size.
 With ``-dcp N`` equal to ``-pcp N`` the KV cache is sharded over the same
 ranks: every step, decodes included, is planned with
 :func:`vllm_pcp.dcp_plan.build_dcp_plan` and attended by
-:class:`vllm_pcp.dcp_attention.DCPAttention`.
+:class:`vllm_pcp.dcp_attention.DCPAttention`. A pure decode step runs the stock
+forward on every rank (vLLM's DCP slot mapping writes each token once); only
+its attention is the plugin's.
 """
 from __future__ import annotations
 
@@ -131,6 +133,8 @@ class PCPModelRunner(GPUModelRunner):
                                       slot_mappings: dict[int, torch.Tensor]) -> dict:
         """Per-layer PCP x DCP metadata and the step's ``_PCPStep``. vLLM's slot
         mapping already holds -1 for tokens another DCP rank owns."""
+        if plan.decode is not None:
+            return self._build_dcp_decode_metadata(plan)
         dev, pcp = self.device, plan.pcp
         gathered = pcp.gathered_token_indices.to(dev, non_blocking=True)
         restore = pcp.restore_indices.to(dev, non_blocking=True)
@@ -143,12 +147,25 @@ class PCPModelRunner(GPUModelRunner):
                 builder = self._pcp_builder(attn_group)
                 exchange = PCPKVExchange(self.pcp_group, pcp.num_padded_tokens_per_rank,
                                          restore_indices=restore)
-                metadata = builder.build_dcp(plan, table, exchange)
+                metadata = builder.build_dcp(plan, table, self.pcp_group, exchange)
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata
                     slot_by_layer[name] = slots_gathered
         self._pcp_step = _PCPStep(pcp.local_token_indices.to(dev, non_blocking=True), restore,
                                   pcp.num_padded_tokens_per_rank, slot_by_layer)
+        return attn_metadata
+
+    def _build_dcp_decode_metadata(self, plan: DCPAttentionPlan) -> dict:
+        """A pure decode step: every rank runs every token, writes the tokens it owns
+        with vLLM's slot mapping, and needs no ``_PCPStep`` (nothing to restore)."""
+        attn_metadata, num_reqs = {}, self.input_batch.num_reqs
+        for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
+            table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
+            for attn_group in self.attn_groups[gid]:
+                metadata = self._pcp_builder(attn_group).build_dcp(plan, table,
+                                                                   self.pcp_group, None)
+                for name in attn_group.layer_names:
+                    attn_metadata[name] = metadata
         return attn_metadata
 
     @staticmethod

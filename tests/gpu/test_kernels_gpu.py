@@ -84,3 +84,20 @@ def test_dcp_attention_decode_and_thin_context_on_flashinfer(computed, scheduled
                                 computed=computed, scheduled=scheduled, kv_layout="HND")
     for out in outs:
         torch.testing.assert_close(out.float(), expect, **TOL)
+
+
+@pytest.mark.parametrize("world,hq,hkv,dim", [(2, 16, 2, 128), (2, 9, 3, 64), (4, 14, 2, 64)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_folded_decode_on_flashinfer(world, hq, hkv, dim, rows):
+    """Pure decode steps: one paged call writing out and LSE into the packed buffer,
+    one all-gather, FlashInfer's merge; odd head counts check the block alignment."""
+    from dcp_harness import run_dcp_step
+    from vllm_pcp.dcp_plan import build_dcp_plan
+
+    computed, scheduled = [40 + 37 * i for i in range(rows)], [1] * rows
+    assert build_dcp_plan(computed, scheduled, world, 0, 8).decode is not None
+    outs, expect = run_dcp_step(world, 8, 2, "cuda", torch.bfloat16, hq=hq, hkv=hkv, dim=dim,
+                                computed=computed, scheduled=scheduled, kv_layout="HND")
+    for out in outs:
+        torch.testing.assert_close(out.float(), expect, **TOL)
+        assert torch.equal(out, outs[0])
