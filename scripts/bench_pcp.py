@@ -34,9 +34,11 @@ CONFIGS = {
     "pcp2": ({"prefill_context_parallel_size": 2}, {}),
     "pcp2-min8k": ({"prefill_context_parallel_size": 2,
                     "additional_config": {"pcp_min_split_tokens": 8192}}, {}),
+    "pcp2-split-all": ({"prefill_context_parallel_size": 2,
+                        "additional_config": {"pcp_min_split_tokens": 2}}, {}),
     "tp2": ({"tensor_parallel_size": 2}, {}),
-    "pcp2-dcp2": ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2,
-                   "additional_config": {"pcp_unverified_dcp": True}}, {}),
+    "pcp2-dcp2": ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2},
+                  {}),
 }
 ONE_GPU = ("pcp1-stock", "pcp1")
 ITL_CONTEXT, ITL_TOKENS, ITL_BATCHES = 32768, 128, (1, 8)
@@ -127,7 +129,7 @@ def _measure_itl(llm, prompts, args, rows: list, save) -> dict:
         cached = cached_by_batch[batch] = prompts(ITL_CONTEXT, batch)
         _timed(llm, cached, 1 + ITL_TOKENS)  # warm-up; fills the prefix cache
         itl = []
-        for _ in range(args.repeats):
+        for _ in range(args.itl_repeats):  # eager decode steps spread: more samples
             first = _timed(llm, cached, 1)
             full = _timed(llm, cached, 1 + ITL_TOKENS)
             itl.append((full - first) / ITL_TOKENS)
@@ -162,6 +164,7 @@ def run(args) -> None:
         out = f"/tmp/bench-{config}.json"
         cmd = [sys.executable, __file__, "measure", "--config", config, "--model", model,
                "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
+               "--itl-repeats", str(args.itl_repeats),
                "--out", out] + (["--eager"] if args.eager else []) + (
                    ["--profile-len", str(args.profile_len),
                     "--profile-decode", str(args.profile_decode), "--profile-dir",
@@ -219,6 +222,7 @@ def main() -> None:
     r.add_argument("--configs", default="pcp1-stock,pcp1,pcp2,tp2")
     r.add_argument("--prompt-lens", default=DEFAULT_PROMPT_LENS)
     r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--itl-repeats", type=int, default=7)
     r.add_argument("--eager", action="store_true")
     r.add_argument("--parallel-one-gpu", action="store_true",
                    help="run the one-GPU configurations at once, one per GPU")
@@ -236,6 +240,7 @@ def main() -> None:
     m.add_argument("--model", required=True)
     m.add_argument("--prompt-lens", required=True)
     m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--itl-repeats", type=int, default=7)
     m.add_argument("--eager", action="store_true")
     m.add_argument("--profile-len", type=int, default=0)
     m.add_argument("--profile-decode", type=int, default=0)

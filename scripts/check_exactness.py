@@ -242,10 +242,12 @@ def _kv_capacity(runs: dict, bench_runs: list | None = None) -> dict:
     ``beyond_one_gpu``: each small-pool run, with its per-rank pool and longest prompt."""
     bench = {r["config"]: r["kv_capacity_tokens"] for r in bench_runs or []
              if "kv_capacity_tokens" in r}
-    if "pcp2" in bench and "pcp2-dcp2" in bench:
-        out = {"source": "bench_pcp.py, gpu_memory_utilization 0.85",
-               "pcp2_tokens": bench["pcp2"], "pcp2_dcp2_tokens": bench["pcp2-dcp2"],
-               "ratio": round(bench["pcp2-dcp2"] / bench["pcp2"], 4)}
+    # pcp2-min8k differs from pcp2 only in which prefills it splits: the same pool
+    pcp2 = next((c for c in ("pcp2", "pcp2-min8k") if c in bench), None)
+    if pcp2 and "pcp2-dcp2" in bench:
+        out = {"source": f"bench_pcp.py ({pcp2}, pcp2-dcp2), gpu_memory_utilization 0.85",
+               "pcp2_tokens": bench[pcp2], "pcp2_dcp2_tokens": bench["pcp2-dcp2"],
+               "ratio": round(bench["pcp2-dcp2"] / bench[pcp2], 4)}
     else:
         out = _fixed_pool_capacity(runs)
     small = [{"model": model, "variant": variant, "config": config,

@@ -69,6 +69,8 @@ def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
            "--seed", "0",
            # the same kernel at both sizes: vLLM would pick FLASH_ATTN for PCP = 1
            "--attention-backend", "FLASHINFER"]
+    if pcp > 1:  # split the short chat prompt too (the default keeps it whole)
+        cmd += ["--additional-config", json.dumps({"pcp_min_split_tokens": 2})]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

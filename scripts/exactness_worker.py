@@ -65,9 +65,9 @@ def kv_bytes_per_token(hf: dict) -> int:
 
 
 def _knobs(args) -> dict:
-    if args.dcp == 1:
-        return {}
-    return {"pcp_unverified_dcp": True}
+    """Every prefill of a PCP run is split (the default leaves prompts under 8192
+    tokens whole, which would compare one-GPU work with one-GPU work)."""
+    return {"pcp_min_split_tokens": 2} if args.pcp > 1 else {}
 
 
 def main() -> None:

@@ -82,8 +82,8 @@ case "$stage" in
         pcp1) flags=(--prefill-context-parallel-size 1) env=(CUDA_VISIBLE_DEVICES=0) ;;
         pcp2) flags=(--prefill-context-parallel-size 2) env=() ;;
         tp2) flags=(--tensor-parallel-size 2) env=() ;;
-        pcp2-dcp2) flags=(--prefill-context-parallel-size 2 --decode-context-parallel-size 2
-                          --additional-config '{"pcp_unverified_dcp": true}') env=() ;;
+        pcp2-dcp2) flags=(--prefill-context-parallel-size 2 --decode-context-parallel-size 2)
+                   env=() ;;
       esac
       env "${env[@]}" INPUT_LEN=${INPUT_LEN:-16384} PROMPTS=${PROMPTS:-16} \
         "$here/bench_serve.sh" /tmp/bench-models/qwen2.5-3b-shape \
@@ -105,12 +105,13 @@ case "$stage" in
         "${DATA_GSM8K:-$here/../.gpu/gsm8k}" "$work/gsm8k-$name.json" "${flags[@]}" \
         --prefill-context-parallel-size "$@" > "$work/gsm8k-$name.log" 2>&1
     }
+    # PCP runs split every prompt (the default keeps gsm8k's short prompts whole)
     for config in ${GSM8K_CONFIGS:-pcp1 pcp2 pcp2-dcp2}; do
       case $config in
         pcp1) gsm8k pcp1 8201 1 & ;;
-        pcp2) gsm8k pcp2 8202 2 & ;;
+        pcp2) gsm8k pcp2 8202 2 --additional-config '{"pcp_min_split_tokens": 2}' & ;;
         pcp2-dcp2) gsm8k pcp2-dcp2 8203 2 --decode-context-parallel-size 2 \
-                     --additional-config '{"pcp_unverified_dcp": true}' & ;;
+          --additional-config '{"pcp_min_split_tokens": 2}' & ;;
       esac
     done
     wait; tail -n 3 "$work"/gsm8k-*.log ;;

@@ -43,11 +43,9 @@ def test_pcp1_and_mla_are_left_to_vllm(cfg):
 @pytest.mark.parametrize("over,flag", [
     (dict(data_parallel_size=2), "--data-parallel-size"),
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
-    (dict(decode_context_parallel_size=2), "is opt-in"),
     (dict(decode_context_parallel_size=4), "it must be 1 or 2"),
-    (dict(decode_context_parallel_size=2, dcp_comm_backend="a2a",
-          additional_config={"pcp_unverified_dcp": True}), "--dcp-comm-backend a2a"),
-    (dict(additional_config={"pcp_unverified_dcp": "yes"}), "pcp_unverified_dcp"),
+    (dict(decode_context_parallel_size=2, dcp_comm_backend="a2a"), "--dcp-comm-backend a2a"),
+    (dict(additional_config={"pcp_unverified_dcp": True}), "pcp_unverified_dcp: not"),
     (dict(additional_config={"pcp_dcp_fp32_partials": True}), "not a vllm-pcp knob"),
     (dict(additional_config={"pcp_min_split_token": 8}), "pcp_min_split_token: not"),
     (dict(speculative_config=object()), "--speculative-config"),
@@ -77,29 +75,39 @@ def test_flashinfer_may_be_requested_explicitly():
 
 
 def test_knobs():
-    assert PCPKnobs.from_additional_config({}).min_split_tokens == 2
-    assert not PCPKnobs.from_additional_config({}).unverified_dcp
-    assert PCPKnobs.from_additional_config({"pcp_unverified_dcp": True}).unverified_dcp
-    assert PCPKnobs.from_additional_config({"other_plugin_key": 1}).min_split_tokens == 2
+    assert PCPKnobs.from_additional_config({}).min_split_tokens is None  # the default
+    assert PCPKnobs.from_additional_config({"other_plugin_key": 1}).min_split_tokens is None
     assert PCPKnobs.from_additional_config({"pcp_min_split_tokens": 4096}).min_split_tokens == 4096
     for bad in ("8", 1.5, True, -3):
         with pytest.raises(PCPConfigError):
             PCPKnobs.from_additional_config({"pcp_min_split_tokens": bad})
 
 
+def test_the_default_split_threshold_never_exceeds_the_token_budget():
+    from vllm_pcp.config import DEFAULT_MIN_SPLIT_TOKENS, min_split_tokens
+
+    default = PCPKnobs()
+    assert min_split_tokens(default, 131072, 2) == DEFAULT_MIN_SPLIT_TOKENS == 8192
+    # vllm serve's budget on smaller GPUs: every full chunk of a long prompt is split
+    assert min_split_tokens(default, 2048, 2) == 2048
+    assert min_split_tokens(default, None, 2) == 8192
+    # a knob is taken as given, but never below 2N (every rank gets tokens)
+    assert min_split_tokens(PCPKnobs(min_split_tokens=16384), 2048, 2) == 16384
+    assert min_split_tokens(PCPKnobs(min_split_tokens=0), 8192, 4) == 8
+    assert min_split_tokens(default, 4, 4) == 8
+
+
 def test_dcp_equal_to_pcp_is_taken_without_cuda_graphs():
     from vllm.config import CUDAGraphMode
 
     cfg = _config(decode_context_parallel_size=2,
-                  cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-                  additional_config={"pcp_unverified_dcp": True})
+                  cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
     assert prepare_pcp_config(cfg)
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
 
 
 def test_dcp_refuses_quantized_kv_cache():
-    cfg = _config(decode_context_parallel_size=2, cache_dtype="fp8",
-                  additional_config={"pcp_unverified_dcp": True})
+    cfg = _config(decode_context_parallel_size=2, cache_dtype="fp8")
     with pytest.raises(PCPConfigError, match="--kv-cache-dtype fp8"):
         prepare_pcp_config(cfg)
 
@@ -139,4 +147,5 @@ def test_a_split_threshold_above_the_token_budget_is_warned_about():
     assert _warnings(cfg, PCPKnobs(min_split_tokens=2048)) == []
     (msg,) = _warnings(cfg, PCPKnobs(min_split_tokens=8192))
     assert "pcp_min_split_tokens 8192" in msg and "--max-num-batched-tokens 2048" in msg
+    assert _warnings(cfg, PCPKnobs()) == []  # the default caps itself at the budget
     assert prepare_pcp_config(cfg)  # accepted, with the warning logged

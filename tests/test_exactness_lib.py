@@ -105,6 +105,9 @@ def test_kv_capacity_prefers_the_benchmark_pools_and_lists_small_pool_runs():
         "model": "m", "variant": "unchunked", "config": "pcp2-dcp2-i8-smallpool",
         "per_rank_pool_tokens": 20480, "longest_prompt": 32768}]
     assert ce._kv_capacity(runs)["pcp2_dcp2_tokens"] == 2000  # no bench: the fixed pools
+    bench[0]["config"] = "pcp2-min8k"  # the same pool as pcp2 (only the split threshold differs)
+    got = ce._kv_capacity(runs, bench)
+    assert got["pcp2_tokens"] == 300000 and "pcp2-min8k" in got["source"]
 
 
 def test_small_pool_config_holds_fewer_tokens_per_rank_than_the_longest_prompt():
@@ -138,3 +141,13 @@ def test_run_worker_keeps_a_failed_runs_saved_part_and_never_a_stale_file(tmp_pa
     entry = run_worker([sys.executable, "-c", "import sys; sys.exit(1)"], str(out), "rows",
                        {"config": "x"})
     assert entry["returncode"] == 1 and "rows" not in entry
+
+
+def test_pcp_exactness_runs_split_every_prompt():
+    """The default threshold keeps short prompts whole; the exactness runs must split them."""
+    from types import SimpleNamespace
+
+    from exactness_worker import _knobs
+
+    assert _knobs(SimpleNamespace(pcp=2, dcp=2)) == {"pcp_min_split_tokens": 2}
+    assert _knobs(SimpleNamespace(pcp=1, dcp=1)) == {}

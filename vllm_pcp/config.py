@@ -24,14 +24,11 @@ class PCPKnobs:
 
     min_split_tokens : prefills with fewer scheduled tokens in a step are
         computed whole on every rank instead of being split (``pcp_min_split_tokens``).
-    unverified_dcp : allow ``-dcp`` equal to ``-pcp`` (``pcp_unverified_dcp``).
-        Its GPU runs pass vLLM's logprob-closeness rule on random-weight models,
-        but greedy tokens can differ from one GPU at near ties, and no run on a
-        real-weight model has finished yet; until one has, it is opt-in.
+        None (the default): :data:`DEFAULT_MIN_SPLIT_TOKENS`, capped at
+        ``--max-num-batched-tokens`` (see :func:`min_split_tokens`).
     """
 
-    min_split_tokens: int = 2
-    unverified_dcp: bool = False
+    min_split_tokens: int | None = None
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> PCPKnobs:
@@ -40,19 +37,36 @@ class PCPKnobs:
         if unknown:
             raise PCPConfigError(f"--additional-config {', '.join(unknown)}: not a vllm-pcp "
                                  f"knob (known: {', '.join(_KNOBS)})")
-        value = raw.get("pcp_min_split_tokens", cls.min_split_tokens)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        value = raw.get("pcp_min_split_tokens")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
             raise PCPConfigError(
                 f"--additional-config pcp_min_split_tokens must be a non-negative "
                 f"integer, got {value!r}")
-        unverified_dcp = raw.get("pcp_unverified_dcp", False)
-        if not isinstance(unverified_dcp, bool):
-            raise PCPConfigError(f"--additional-config pcp_unverified_dcp must be true or "
-                                 f"false, got {unverified_dcp!r}")
-        return cls(min_split_tokens=value, unverified_dcp=unverified_dcp)
+        return cls(min_split_tokens=value)
 
 
-_KNOBS = ("pcp_min_split_tokens", "pcp_unverified_dcp")
+_KNOBS = ("pcp_min_split_tokens",)
+
+# A fresh 4K prompt split over 2 x H200 reached its first token 1.12x later than on one
+# GPU, while 32K and 128K prompts gained 1.85x and 1.92x; unsplit below 8192 tokens the 4K
+# prompt is within 1 % of one GPU (benchmarks/results/ttft.json, config pcp2-min8k).
+DEFAULT_MIN_SPLIT_TOKENS = 8192
+
+
+def min_split_tokens(knobs: PCPKnobs, max_num_batched_tokens: int | None,
+                     pcp_world_size: int) -> int:
+    """Scheduled tokens from which a prefill is split across the PCP ranks.
+
+    The knob if set; else :data:`DEFAULT_MIN_SPLIT_TOKENS`, capped at the step's
+    token budget so that a full chunk of a long prompt is always split. Never below
+    ``2 * pcp_world_size``: every rank must get tokens of a split prefill.
+    """
+    value = knobs.min_split_tokens
+    if value is None:
+        value = min(DEFAULT_MIN_SPLIT_TOKENS,
+                    max_num_batched_tokens or DEFAULT_MIN_SPLIT_TOKENS)
+    return max(value, 2 * pcp_world_size)
 
 
 def _attention_backend_name(vllm_config) -> str | None:
@@ -60,7 +74,7 @@ def _attention_backend_name(vllm_config) -> str | None:
     return None if backend is None else getattr(backend, "name", str(backend))
 
 
-def _dcp_refusals(vllm_config, knobs: PCPKnobs) -> list[str]:
+def _dcp_refusals(vllm_config) -> list[str]:
     parallel = vllm_config.parallel_config
     pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
     if dcp == 1:
@@ -69,12 +83,6 @@ def _dcp_refusals(vllm_config, knobs: PCPKnobs) -> list[str]:
         return [f"--decode-context-parallel-size {dcp}: with -pcp {pcp} it must be 1 or "
                 f"{pcp} (the KV cache sharded over the PCP ranks)"]
     out = []
-    if not knobs.unverified_dcp:
-        out.append(f"--decode-context-parallel-size {dcp} with -pcp {pcp} is opt-in: its "
-                   "greedy tokens can differ from one GPU's at near ties (partial attention "
-                   "states are rounded to the model dtype before the merge) and it is not "
-                   "yet verified on a real-weight model; drop -dcp, or pass "
-                   "--additional-config '{\"pcp_unverified_dcp\": true}' to run it")
     if getattr(parallel, "dcp_comm_backend", "ag_rs") == "a2a":
         out.append("--dcp-comm-backend a2a: PCP x DCP exchanges partial states itself; "
                    "omit the flag")
@@ -144,7 +152,7 @@ def prepare_pcp_config(vllm_config) -> bool:
     if parallel.prefill_context_parallel_size <= 1 or model is None or model.use_mla:
         return False
     knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
-    refused = _refusals(vllm_config) + _dcp_refusals(vllm_config, knobs)
+    refused = _refusals(vllm_config) + _dcp_refusals(vllm_config)
     if refused:
         raise PCPConfigError(
             "vllm-pcp cannot run --prefill-context-parallel-size "
@@ -165,7 +173,7 @@ def _warnings(vllm_config, knobs: PCPKnobs) -> list[str]:
     """Accepted but probably unintended: a split threshold no step can reach."""
     budget = getattr(getattr(vllm_config, "scheduler_config", None),
                      "max_num_batched_tokens", None)
-    if budget and knobs.min_split_tokens > budget:
+    if budget and knobs.min_split_tokens is not None and knobs.min_split_tokens > budget:
         return [f"pcp_min_split_tokens {knobs.min_split_tokens} exceeds "
                 f"--max-num-batched-tokens {budget}: no prefill will be split across the "
                 "PCP ranks; lower the knob or raise the token budget"]

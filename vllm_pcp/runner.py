@@ -44,7 +44,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_pcp.backend import PCPFlashInferMetadataBuilder, PCPKVExchange
-from vllm_pcp.config import PCPKnobs
+from vllm_pcp.config import PCPKnobs, min_split_tokens
 from vllm_pcp.dcp_plan import DCPAttentionPlan, build_dcp_plan
 from vllm_pcp.exchange import gathered_slot_mapping, restore_hidden_states
 from vllm_pcp.partition import PrefillContextParallelMetadata, build_pcp_metadata
@@ -69,8 +69,8 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_world_size = self.pcp_group.world_size
         self.pcp_rank = self.pcp_group.rank_in_group
         knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
-        # Never split below 2N tokens: every rank then gets local tokens.
-        self.pcp_min_split_tokens = max(knobs.min_split_tokens, 2 * self.pcp_world_size)
+        self.pcp_min_split_tokens = min_split_tokens(
+            knobs, vllm_config.scheduler_config.max_num_batched_tokens, self.pcp_world_size)
         self.pcp_dcp = self._check_dcp(vllm_config)
         self._pcp_plan: PrefillContextParallelMetadata | DCPAttentionPlan | None = None
         self._pcp_step: _PCPStep | None = None
