@@ -68,6 +68,17 @@ class _Paged(_Wrapper):
         return self._finish(o, s, out, return_lse, lse)
 
 
+class _Decode(_Paged):
+    """The decode wrapper: one query per row, no qo_indptr."""
+
+    def __init__(self, workspace, layout, use_tensor_cores=False):
+        assert layout == "NHD" and use_tensor_cores
+
+    def plan(self, indptr, indices, last, hq, hkv, dim, page_size, **kw):
+        super().plan(torch.arange(len(indptr), dtype=torch.int32), indptr, indices, last,
+                     hq, hkv, dim, page_size, causal=False, **kw)
+
+
 def _rows(q, qo, kv_of_row, causal):
     out = torch.zeros(q.shape)
     lse = torch.zeros(q.shape[:2])
@@ -91,8 +102,10 @@ def _merge(merge, dtypes):
 def _fake_flashinfer(dtypes):
     ragged = type("Ragged", (_Ragged,), {"dtypes": dtypes})
     paged = type("Paged", (_Paged,), {"dtypes": dtypes})
+    decode = type("Decode", (_Decode,), {"dtypes": dtypes})
     return SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=ragged,
                            BatchPrefillWithPagedKVCacheWrapper=paged,
+                           BatchDecodeWithPagedKVCacheWrapper=decode,
                            merge_state=_merge(reference.merge_state, dtypes),
                            merge_states=_merge(reference.merge_states, dtypes))
 

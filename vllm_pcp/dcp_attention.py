@@ -79,6 +79,10 @@ class DCPAttention:
                                                                      backend="auto")
         self._rep = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout,
                                                                    backend="auto")
+        # Decode rows: FlashInfer's decode kernel splits each row's KV over the SMs (the
+        # prefill kernel that "auto" picks on Hopper runs one row's 16K keys on one CTA).
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, kv_layout, use_tensor_cores=True)
 
     def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor) -> None:
         """Plan the step's kernels; every index the layers use goes to the device here.
@@ -90,7 +94,7 @@ class DCPAttention:
         hq, hkv, dim = self.heads
         self.plan_ = plan
         if plan.decode is not None:
-            self._plan_paged(self._rep, plan.decode, block_table)
+            self._plan_decode(plan.decode, block_table)
             return
 
         def to_dev(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -107,6 +111,15 @@ class DCPAttention:
         self.rep_query, self.rep_index = to_dev(rep_query), to_dev(rep_index)
         self.rep_slot = (None if rep_query is None else
                          to_dev(_positions_in(rep_index, rep_query)))
+
+    def _plan_decode(self, rows: AttentionRows, block_table: torch.Tensor) -> None:
+        """Plan the decode kernel: row i (one query) over ``rows.kv_len[i]`` shard tokens."""
+        hq, hkv, dim = self.heads
+        table = block_table[: len(rows.req)]  # decode row i is request i
+        indptr, indices, last = paged_kv_layout(rows.kv_len, table, self.page_size)
+        self._decode.plan(indptr, indices, last, hq, hkv, dim, self.page_size,
+                          sm_scale=self.sm_scale, q_data_type=self.dtype,
+                          kv_data_type=self.dtype, o_data_type=self.dtype)
 
     def _plan_paged(self, wrapper, rows: AttentionRows,
                     block_table: torch.Tensor) -> torch.Tensor | None:
@@ -164,7 +177,7 @@ class DCPAttention:
         send = torch.empty(block, dtype=self.dtype, device=q.device)
         out = send[:size].view(rows, hq, dim)
         lse = send[size:size + lse_size].view(torch.float32).view(rows, hq)
-        self._rep.run(q, kv_cache, out=out, lse=lse, return_lse=True)
+        self._decode.run(q, kv_cache, out=out, lse=lse, return_lse=True)
         recv = group.all_gather(send, dim=0).view(n, block)
         outs = recv[:, :size].view(n, rows, hq, dim)
         lses = recv[:, size:size + lse_size].view(torch.float32).view(n, rows, hq)
