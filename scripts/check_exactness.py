@@ -37,12 +37,16 @@ CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
            "pcp1-flash-attn": ["--pcp", "1", "--attention-backend", "FLASH_ATTN"],
            **{f"pcp2-dcp2-i{i}": ["--pcp", "2", "--dcp", "2", "--interleave", str(i)]
               for i in (1, 8, 16)},
+           # full CUDA graphs of the decode steps (FULL_DECODE_ONLY), torch.compile on
+           "pcp2-dcp2-i8-graphs": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
+                                   "--cuda-graphs"],
            # a per-rank KV pool smaller than the longest prompt: only the sharded cache fits it
            "pcp2-dcp2-i8-smallpool": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
                                       "--kv-pool-tokens", str(SMALL_POOL_TOKENS)]}
 BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1",
             "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
-            **{c: "pcp1" for c in CONFIGS if c.startswith("pcp2-dcp2")}}
+            **{c: "pcp1-graphs" if c.endswith("-graphs") else "pcp1"
+               for c in CONFIGS if c.startswith("pcp2-dcp2")}}
 SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
                  "qwen2.5-coder-0.5b": "/tmp/models/qwen2.5-coder-0.5b"}
 

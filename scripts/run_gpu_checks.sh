@@ -10,10 +10,11 @@
 #   exact-pcp  PCP=2 vs PCP=1 on the random models and SmolLM2 (/tmp/models/smollm2-135m),
 #              chunked prefill on and off, plus CUDA graphs and Ray; engines side by side
 #              in lanes, each on a fixed 2 GiB KV pool (no memory profiling to disturb)
-#   exact-dcp  PCP x DCP at interleave 1, 8, 16 against PCP=1, 256 greedy tokens; one GPU
+#   exact-dcp  PCP x DCP at interleave 1, 8, 16 against PCP=1, 256 greedy tokens, and at 8
+#              with CUDA graphs against PCP=1 with CUDA graphs; one GPU
 #              on FlashAttention against FlashInfer (the noise floor of a kernel change);
 #              one run whose KV pool per rank (20480 tokens) is smaller than its longest
-#              prompt (32768); DCP_UNCHUNKED_CONFIGS picks that lane's configurations
+#              prompt (32768); DCP_CONFIGS and DCP_UNCHUNKED_CONFIGS pick configurations
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
@@ -23,11 +24,14 @@
 #              and test.jsonl, default .gpu/gsm8k of the checkout), servers side by side;
 #              GSM8K_CONFIGS picks some ("pcp2-dcp2")
 #   bench-serve  vllm bench serve at concurrency 4 and 16 against one server at a time
-#              (SERVE_CONFIGS, default "pcp1 pcp2 tp2"; INPUT_LEN 16384, PROMPTS 16), the
-#              bench model with dummy weights, Qwen2.5-Coder's tokenizer (same vocabulary)
+#              (SERVE_CONFIGS, default "pcp1 pcp2 pcp2-dcp2 tp2"; INPUT_LEN 16384, PROMPTS
+#              16), the bench model with dummy weights, CUDA graphs as vLLM's default
+#              (SERVE_EAGER=--enforce-eager: none), Qwen2.5-Coder's tokenizer (same
+#              vocabulary; SERVE_TOKENIZER: any tokenizer whose ids the model takes)
 # bench: BENCH_CONFIGS, BENCH_PROMPT_LENS, BENCH_PROFILE ("--profile-decode 16": decode steps
-# instead of a 32K prefill) override; BENCH_PARALLEL_ONE_GPU= (empty) runs the
-# one-GPU configurations one after the other (cleaner ITL)
+# instead of a 32K prefill; empty: no profile) override; BENCH_PARALLEL_ONE_GPU= (empty)
+# runs the one-GPU configurations one after the other (cleaner ITL); BENCH_EAGER= (empty)
+# runs with vLLM's CUDA graphs (default: --eager)
 # Work files go to /tmp/gpu-checks/STAGE (GPU_CHECKS_DIR overrides /tmp/gpu-checks); OUT_DIR
 # gets them as one STAGE.tgz (the device returns few files) and a summary on stdout. scripts/check_exactness.py compare and
 # scripts/bench_pcp.py report turn the raw files into the committed result files.
@@ -60,7 +64,7 @@ case "$stage" in
     # the real model and the 1-kv-head model first: the last sitting's run ended before them
     lanes --lanes 8 --one-gpu-lanes 2 --variants chunked --max-tokens 256 \
       --models smollm2,qwen2-mqa-1kv,qwen2.5-3b-shape,llama-8kv-hd64 \
-      --configs pcp1,pcp1-flash-attn,pcp2-dcp2-i1,pcp2-dcp2-i8,pcp2-dcp2-i16 \
+      --configs "${DCP_CONFIGS:-pcp1,pcp1-flash-attn,pcp1-graphs,pcp2-dcp2-i1,pcp2-dcp2-i8,pcp2-dcp2-i16,pcp2-dcp2-i8-graphs}" \
       --raw "$work/raw-dcp.json" \
       > "$work/dcp.log" 2>&1 &
     lanes --lanes 1 --models qwen2.5-3b-shape --variants unchunked --max-tokens 256 \
@@ -69,15 +73,16 @@ case "$stage" in
       > "$work/dcp-u.log" 2>&1 &
     wait; tail -n 30 "$work"/dcp.log "$work"/dcp-u.log ;;
   bench)
-    python3 "$here/bench_pcp.py" run --eager ${BENCH_PARALLEL_ONE_GPU---parallel-one-gpu} \
+    python3 "$here/bench_pcp.py" run ${BENCH_EAGER---eager} \
+      ${BENCH_PARALLEL_ONE_GPU---parallel-one-gpu} \
       --configs "${BENCH_CONFIGS:-pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2}" \
       --prompt-lens "${BENCH_PROMPT_LENS:-4096,32768,131072}" \
-      ${BENCH_PROFILE:---profile-len 32768} --profile-configs pcp1,pcp2,pcp2-dcp2 \
+      ${BENCH_PROFILE---profile-len 32768} --profile-configs pcp1,pcp2,pcp2-dcp2 \
       --raw "$work/bench.json" \
       2>&1 | tee "$work/bench.log" | grep -E "^(pcp|tp)" ;;
   bench-serve)  # one server at a time: vllm bench serve times them
     python3 "$here/bench_pcp.py" model --out-dir /tmp/bench-models/qwen2.5-3b-shape
-    for config in ${SERVE_CONFIGS:-pcp1 pcp2 tp2}; do
+    for config in ${SERVE_CONFIGS:-pcp1 pcp2 pcp2-dcp2 tp2}; do
       case $config in
         pcp1) flags=(--prefill-context-parallel-size 1) env=(CUDA_VISIBLE_DEVICES=0) ;;
         pcp2) flags=(--prefill-context-parallel-size 2) env=() ;;
@@ -87,8 +92,8 @@ case "$stage" in
       esac
       env "${env[@]}" INPUT_LEN=${INPUT_LEN:-16384} PROMPTS=${PROMPTS:-16} \
         "$here/bench_serve.sh" /tmp/bench-models/qwen2.5-3b-shape \
-        "${MODEL_GSM8K:-/tmp/models/qwen2.5-coder-0.5b}" "$work" "$config" \
-        --load-format dummy --enforce-eager "${flags[@]}" > "$work/$config.log" 2>&1
+        "${SERVE_TOKENIZER:-/tmp/models/qwen2.5-coder-0.5b}" "$work" "$config" \
+        --load-format dummy ${SERVE_EAGER-} "${flags[@]}" > "$work/$config.log" 2>&1
       echo "$config rc=$?"
     done ;;
   serve)

@@ -59,10 +59,25 @@ def _paged_shard(full, rank, world, interleave, page_size, device, dtype):
     return (k_cache.to(device, dtype), v_cache.to(device, dtype)), table.to(device)
 
 
+def _capture_like_vllm(attn, world, rank, interleave, graph_rows, table):
+    """Plan vLLM's dummy decode batch of a graph capture (context ``world *
+    interleave`` per row, every page the first one) on ``attn``."""
+    plan = build_dcp_plan([world * interleave] * graph_rows, [1] * graph_rows, world, rank,
+                          interleave)
+    attn.plan(plan, torch.zeros(graph_rows, table.shape[1], dtype=table.dtype,
+                                device=table.device), graph_rows)
+    return attn._decode_now
+
+
 def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
-                 page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD"):
+                 page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD",
+                 graph_rows=None):
     """Each rank's restored output (in the attention's output dtype) and the float32
-    reference computed from the same ``dtype``-rounded inputs."""
+    reference computed from the same ``dtype``-rounded inputs.
+
+    ``graph_rows`` (decode steps): plan a graph capture of that many rows first, then
+    the step on the same graph wrapper, with the queries padded to ``graph_rows``
+    rows; the output keeps the padding rows."""
     full, q = make_batch(hq, hkv, dim, world * 100 + interleave, computed, scheduled)
     full = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in full]
     q = q.to(dtype).float()
@@ -80,10 +95,16 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
             cache = tuple(c.transpose(1, 2).contiguous() for c in cache)
         workspace = torch.empty(64 * 1024 * 1024, dtype=torch.uint8, device=device)
         attn = DCPAttention(workspace, hq, hkv, dim, page_size, dtype, 1 / math.sqrt(dim),
-                            kv_layout)
-        attn.plan(plan, table)
+                            kv_layout, max_graph_rows=graph_rows or 0)
+        q_step = q.to(device, dtype)
+        if graph_rows is not None:
+            captured = _capture_like_vllm(attn, world, rank, interleave, graph_rows, table)
+            q_step = torch.cat([q_step, torch.randn(max(0, graph_rows - len(q)), hq, dim).to(q_step)])
+        attn.plan(plan, table, graph_rows)
+        if graph_rows is not None:
+            assert attn._decode_now is captured  # a replay runs the captured wrapper
         if plan.decode is not None:  # the runner's decode step: step order, no restore
-            return attn.run(group.rank(rank), q.to(device, dtype), None, None, cache).cpu()
+            return attn.run(group.rank(rank), q_step, None, None, cache).cpu()
         local = plan.pcp.local_token_indices.to(device)
         out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_step, v_step, cache)
         restored = restore_hidden_states(group.rank(rank), out.reshape(out.shape[0], -1),

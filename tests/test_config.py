@@ -97,13 +97,24 @@ def test_the_default_split_threshold_never_exceeds_the_token_budget():
     assert min_split_tokens(default, 4, 4) == 8
 
 
-def test_dcp_equal_to_pcp_is_taken_without_cuda_graphs():
+@pytest.mark.parametrize("asked,taken", [
+    ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"), ("PIECEWISE", "FULL_DECODE_ONLY"),
+    ("FULL", "FULL_DECODE_ONLY"), ("FULL_DECODE_ONLY", "FULL_DECODE_ONLY"),
+    ("NONE", "NONE")])
+def test_dcp_equal_to_pcp_keeps_full_graphs_of_decode_steps_only(asked, taken):
     from vllm.config import CUDAGraphMode
 
-    cfg = _config(decode_context_parallel_size=2,
-                  cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    cfg = _config(decode_context_parallel_size=2, cudagraph_mode=CUDAGraphMode[asked])
     assert prepare_pcp_config(cfg)
-    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode[taken]
+
+
+def test_pcp_without_dcp_keeps_the_cuda_graph_mode():
+    from vllm.config import CUDAGraphMode
+
+    cfg = _config(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert prepare_pcp_config(cfg)
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
 
 
 def test_dcp_refuses_quantized_kv_cache():

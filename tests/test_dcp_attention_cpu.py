@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import vllm.v1.attention.backends.flashinfer  # noqa: F401  (imported before the fakes)
 
 from dcp_harness import run_dcp_step
 from vllm_pcp import reference
@@ -69,14 +70,36 @@ class _Paged(_Wrapper):
 
 
 class _Decode(_Paged):
-    """The decode wrapper: one query per row, no qo_indptr."""
+    """The decode wrapper: one query per row, no qo_indptr. With ``use_cuda_graph``
+    the kernel reads the fixed index buffers when it runs, as a replayed graph does:
+    whatever ``plan`` was given, the buffers must hold the step's indices."""
 
-    def __init__(self, workspace, layout, use_tensor_cores=False):
+    def __init__(self, workspace, layout, use_tensor_cores=False, use_cuda_graph=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                 paged_kv_last_page_len_buffer=None):
         assert layout == "NHD" and use_tensor_cores
+        self.is_cuda_graph_enabled = use_cuda_graph
+        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                        paged_kv_last_page_len_buffer)
 
-    def plan(self, indptr, indices, last, hq, hkv, dim, page_size, **kw):
-        super().plan(torch.arange(len(indptr), dtype=torch.int32), indptr, indices, last,
-                     hq, hkv, dim, page_size, causal=False, **kw)
+    # vLLM's fast_plan_decode calls plan() on a wrapper's first call only
+    vllm_first_call = property(lambda self: True, lambda self, value: None)
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, **kw):
+        if self.is_cuda_graph_enabled:
+            assert len(last_page_len) == len(self.buffers[2]), "batch size fixed by the graph"
+        super().plan(torch.arange(len(indptr), dtype=torch.int32), indptr, indices,
+                     last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                     causal=False, **kw)
+
+    def run(self, q, kv_cache, out=None, lse=None, return_lse=False):
+        if self.is_cuda_graph_enabled:
+            assert len(q) == len(self.buffers[2])
+            indptr = self.buffers[0].cpu()
+            self.indptr, self.last = indptr, self.buffers[2].cpu()
+            self.indices = self.buffers[1][: int(indptr[-1])].cpu()
+        return super().run(q, kv_cache, out, lse, return_lse)
 
 
 def _rows(q, qo, kv_of_row, causal):
@@ -180,3 +203,21 @@ def test_decode_steps_in_bf16(reference_flashinfer, world):
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), expect, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(out, outs[0], atol=0, rtol=0)  # identical on every rank
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 8), (4, 1)])
+@pytest.mark.parametrize("graph_rows", [4, 8])
+def test_decode_steps_as_cuda_graphs(float32_flashinfer, world, interleave, graph_rows):
+    """A decode step replaying a captured graph: the rows past the batch are padding,
+    the kernel reads the fixed buffers, the batch's rows equal one process."""
+    computed, scheduled = FOLDED_DECODES[0]
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.float32,
+                                computed=computed, scheduled=scheduled, graph_rows=graph_rows)
+    for out in outs:
+        assert out.shape[0] == graph_rows
+        torch.testing.assert_close(out[: len(computed)], expect, atol=1e-5, rtol=1e-5)
+
+
+def test_graph_rows_are_for_decode_steps_only(float32_flashinfer):
+    with pytest.raises(ValueError, match="pure decode"):
+        run_dcp_step(2, 8, 2, "cpu", torch.float32, graph_rows=8)

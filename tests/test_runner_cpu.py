@@ -28,9 +28,9 @@ class _RecordingBuilder(PCPFlashInferMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         return SimpleNamespace(cm=common_attn_metadata)
 
-    def build_dcp(self, plan, block_table, group, exchange):
+    def build_dcp(self, plan, block_table, group, exchange, graph_rows=None):
         return SimpleNamespace(plan=plan, block_table=block_table, group=group,
-                               pcp_exchange=exchange)
+                               pcp_exchange=exchange, graph_rows=graph_rows)
 
 
 def _global_positions():
@@ -244,7 +244,57 @@ def test_dcp_decode_steps_run_stock_with_the_plugins_attention(monkeypatch):
     assert metadata["l1"] is md and md.plan is plan and torch.equal(md.block_table, BLOCKS[:4])
     # no K/V exchange (stock cache write) and no step to restore (stock forward)
     assert md.pcp_exchange is None and runner._pcp_step is None
-    assert md.group is runner.pcp_group
+    assert md.group is runner.pcp_group and md.graph_rows is None
+
+
+def _dcp_decode_runner(monkeypatch, computed):
+    runner = _make_runner(ThreadGroup(2), 1)
+    runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
+    runner.input_batch.num_computed_tokens_cpu = np.array(computed, np.int32)
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
+    runner._prepare_inputs(None, np.ones(len(computed), np.int32))
+    return runner
+
+
+def test_dcp_decode_steps_replay_the_padded_graph(monkeypatch):
+    """vLLM pads a decode batch of 3 to the graph of 4 (num_reqs_padded): the plan
+    keeps the 3 requests, the attention runs the graph of 4 rows."""
+    runner = _dcp_decode_runner(monkeypatch, [30, 9, 17])
+    plan = runner._pcp_plan
+    md = runner._build_attention_metadata(num_reqs=3, num_reqs_padded=4,
+                                          slot_mappings={0: _global_slots()})[0]["l0"]
+    assert md.plan is plan and len(plan.decode.req) == 3 and md.graph_rows == 4
+    assert torch.equal(md.block_table, BLOCKS[:4]) and runner._pcp_step is None
+
+
+def test_dcp_non_folded_decode_in_a_graph_batch_runs_eagerly(monkeypatch):
+    """A uniform decode batch vLLM would replay, with a request too short for every
+    rank to hold a token: the general path, whose forward switches graphs off."""
+    runner = _dcp_decode_runner(monkeypatch, [30, 2, 17, 12])  # 3 tokens, interleave 8
+    assert runner._pcp_plan.decode is None
+    metadata = runner._build_attention_metadata(num_reqs=4, num_reqs_padded=4,
+                                                slot_mappings={0: _global_slots()})[0]
+    assert metadata["l0"].graph_rows is None and runner._pcp_step is not None
+
+
+def test_dcp_graph_capture_plans_vllms_dummy_decode_batch():
+    """Capture: no _prepare_inputs; vLLM's dummy batch (sequence 1 + N * I) is planned
+    as a folded decode of num_reqs rows from the runner's sequence lengths."""
+    runner = _make_runner(ThreadGroup(2), 1)
+    runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
+    runner.optimistic_seq_lens_cpu = torch.tensor([17, 17, 17, 0, 0], dtype=torch.int32)
+    md = runner._build_attention_metadata(num_reqs=3, for_cudagraph_capture=True,
+                                          slot_mappings={0: _global_slots()})[0]["l1"]
+    assert md.graph_rows == 3 and md.pcp_exchange is None
+    assert md.plan.decode.kv_len.tolist() == [8, 8, 8]  # rank 1 holds tokens 8..15
+    runner.optimistic_seq_lens_cpu[:] = torch.tensor([17, 17, 0, 0, 0])
+    md = runner._build_attention_metadata(num_reqs=3, for_cudagraph_capture=True,
+                                          slot_mappings={0: _global_slots()})[0]["l1"]
+    assert md.graph_rows == 3 and len(md.plan.decode.req) == 2  # row 3: padding
+    runner.optimistic_seq_lens_cpu[:3] = 1  # no context: rank 1 would hold nothing
+    with pytest.raises(RuntimeError, match="--enforce-eager"):
+        runner._build_attention_metadata(num_reqs=3, for_cudagraph_capture=True,
+                                         slot_mappings={0: _global_slots()})
 
 
 def test_dcp_kv_update_keeps_the_step_kv_for_attention(monkeypatch):
@@ -307,11 +357,11 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
     made = []
 
     class FakeDCPAttention:
-        def __init__(self, *args):
-            made.append(args)
+        def __init__(self, *args, **kwargs):
+            made.append((args, kwargs))
 
-        def plan(self, plan, table):
-            self.planned = (plan, table)
+        def plan(self, plan, table, graph_rows=None):
+            self.planned = (plan, table, graph_rows)
 
     import vllm.v1.attention.backends.utils as vllm_utils
 
@@ -322,13 +372,20 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
     builder.num_qo_heads, builder.num_kv_heads, builder.head_dim = 8, 2, 64
     builder.page_size, builder.q_data_type_prefill = 16, torch.bfloat16
     builder.global_hyperparameters = SimpleNamespace(sm_scale=0.125)
+    builder.vllm_config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=16))
     plan = SimpleNamespace(pcp=SimpleNamespace(num_local_tokens=7))
     first = builder.build_dcp(plan, "table", "group", "exchange")
     second = builder.build_dcp(plan, "table2", "group", None)
-    assert made == [("ws", 8, 2, 64, 16, torch.bfloat16, 0.125, "HND")]
-    assert first.attention is second.attention and second.attention.planned == (plan, "table2")
+    assert made == [(("ws", 8, 2, 64, 16, torch.bfloat16, 0.125, "HND"),
+                     {"max_graph_rows": 16})]
+    assert first.attention is second.attention
+    assert second.attention.planned == (plan, "table2", None)
     assert first.pcp_exchange == "exchange" and second.pcp_exchange is None
     assert second.num_local_tokens == 7 and second.group == "group"
+    graph = builder.build_dcp(plan, "table3", "group", None, graph_rows=4)
+    assert graph.num_local_tokens == 4 and graph.attention.planned == (plan, "table3", 4)
 
 
 def test_row_buffers_hold_two_rows_per_request():

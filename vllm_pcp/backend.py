@@ -68,9 +68,10 @@ class PCPFlashInferImpl(FlashInferImpl):
                 output_scale=None, output_block_scale=None):
         if not isinstance(attn_metadata, PCPDCPMetadata):
             if self.dcp_world_size > 1 and self.pcp_world_size > 1:
-                # Under PCP x DCP every engine step carries PCPDCPMetadata; anything
-                # else is a profiling or warm-up run, which vLLM's own DCP path
-                # (DCP inside TP) cannot shape. Like vLLM's profiling run: zeros.
+                # Under PCP x DCP every engine step and graph capture carries
+                # PCPDCPMetadata; anything else is a profiling or warm-up run, which
+                # vLLM's own DCP path (DCP inside TP) cannot shape. Like vLLM's
+                # profiling run: zeros.
                 return output.fill_(0)
             return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                    output, output_scale, output_block_scale)
@@ -114,8 +115,10 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         return metadata
 
     def build_dcp(self, plan, block_table: torch.Tensor, group,
-                  exchange: PCPKVExchange | None) -> PCPDCPMetadata:
-        """Plan a PCP x DCP step (``plan``: a DCPAttentionPlan) once for all layers."""
+                  exchange: PCPKVExchange | None,
+                  graph_rows: int | None = None) -> PCPDCPMetadata:
+        """Plan a PCP x DCP step (``plan``: a DCPAttentionPlan) once for all layers;
+        ``graph_rows``: a pure decode step run as the full CUDA graph of that size."""
         if self._dcp_attention is None:
             from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
@@ -124,9 +127,17 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             self._dcp_attention = DCPAttention(
                 self._get_workspace_buffer(), self.num_qo_heads, self.num_kv_heads,
                 self.head_dim, self.page_size, self.q_data_type_prefill,
-                self.global_hyperparameters.sm_scale, get_kv_cache_layout())
-        self._dcp_attention.plan(plan, block_table)
-        return PCPDCPMetadata(self._dcp_attention, group, exchange, plan.pcp.num_local_tokens)
+                self.global_hyperparameters.sm_scale, get_kv_cache_layout(),
+                max_graph_rows=_max_decode_graph_rows(self.vllm_config))
+        self._dcp_attention.plan(plan, block_table, graph_rows)
+        return PCPDCPMetadata(self._dcp_attention, group, exchange,
+                              graph_rows or plan.pcp.num_local_tokens)
+
+
+def _max_decode_graph_rows(vllm_config) -> int:
+    """The largest decode batch a CUDA graph may be captured for."""
+    capture = vllm_config.compilation_config.max_cudagraph_capture_size or 0
+    return max(vllm_config.scheduler_config.max_num_seqs, capture)
 
 
 def grow_row_buffers(builder: FlashInferMetadataBuilder, max_rows: int) -> None:

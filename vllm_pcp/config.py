@@ -163,7 +163,7 @@ def prepare_pcp_config(vllm_config) -> bool:
             f"{WORKER_CLS}; omit --worker-cls")
     parallel.worker_cls = WORKER_CLS
     if parallel.decode_context_parallel_size > 1:
-        _disable_cuda_graphs(vllm_config)
+        _decode_cuda_graphs_only(vllm_config)
     for warning in _warnings(vllm_config, knobs):
         _logger().warning("%s", warning)
     return True
@@ -186,11 +186,14 @@ def _logger():
     return init_logger("vllm.vllm_pcp.config")
 
 
-def _disable_cuda_graphs(vllm_config) -> None:
+def _decode_cuda_graphs_only(vllm_config) -> None:
+    """Under PCP x DCP only pure decode steps replay CUDA graphs (full graphs of
+    the plugin's folded decode); every other step runs eagerly. ``NONE`` stays."""
     from vllm.config import CUDAGraphMode
 
     compilation = vllm_config.compilation_config
-    if compilation.cudagraph_mode != CUDAGraphMode.NONE:
-        compilation.cudagraph_mode = CUDAGraphMode.NONE
-        _logger().info(
-            "PCP x DCP runs without CUDA graphs: cudagraph_mode set to NONE")
+    if compilation.cudagraph_mode not in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
+        _logger().info("PCP x DCP: cudagraph_mode %s set to FULL_DECODE_ONLY (full graphs "
+                       "of pure decode steps, other steps eager)",
+                       getattr(compilation.cudagraph_mode, "name", "default"))
+        compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY

@@ -10,8 +10,11 @@ calls, mirroring :func:`vllm_pcp.reference.pcp_dcp_rank_attention`:
     replicated ctx  the same kernel over this rank's own copies -> all-gather
     merge           flashinfer.merge_states / merge_state, base-2 LSE
 
-A pure decode step (``plan.decode``) is one paged call over the shard, the new
-token included, then one all-gather of the packed ``(out, lse)`` and one merge.
+A pure decode step (``plan.decode``) is one decode-kernel call over the shard,
+the new token included, then one all-gather of the packed ``(out, lse)`` and one
+merge. As a full CUDA graph (``graph_rows``) its kernel reads index buffers at
+fixed addresses, one decode wrapper per captured batch size, as vLLM's own
+FlashInfer decode graphs do; planning a step rewrites those buffers.
 
 Partial states are in the model dtype: FlashInfer 0.6.14 builds no attention
 kernel with float32 outputs (its JIT names output dtypes of 8 and 16 bits only),
@@ -67,8 +70,11 @@ class DCPAttention:
 
     def __init__(self, workspace: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, dtype: torch.dtype, sm_scale: float,
-                 kv_layout: str = "NHD"):
+                 kv_layout: str = "NHD", max_graph_rows: int = 0):
         import flashinfer
+        from vllm.v1.attention.backends.flashinfer import fast_plan_decode
+
+        self._fast_plan_decode = fast_plan_decode
 
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.page_size, self.dtype, self.sm_scale = page_size, dtype, sm_scale
@@ -81,21 +87,33 @@ class DCPAttention:
                                                                    backend="auto")
         # Decode rows: FlashInfer's decode kernel splits each row's KV over the SMs (the
         # prefill kernel that "auto" picks on Hopper runs one row's 16K keys on one CTA).
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, kv_layout, use_tensor_cores=True)
+        self._decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+        self._decode = self._decode_wrapper(workspace, kv_layout, use_tensor_cores=True)
+        self._decode_now = self._decode
+        self._workspace, self._kv_layout = workspace, kv_layout
+        # Full CUDA graphs of decode steps: one wrapper per batch size, all reading
+        # index buffers at fixed addresses (filled by _plan_decode before a replay).
+        self.max_graph_rows = max_graph_rows
+        self._graph_decode: dict[int, object] = {}
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor) -> None:
+    def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor,
+             graph_rows: int | None = None) -> None:
         """Plan the step's kernels; every index the layers use goes to the device here.
 
         ``block_table``: ``[num_reqs, max_pages]`` int32 on the GPU. Index
-        arguments stay on the CPU (FlashInfer plans on the host).
+        arguments stay on the CPU (FlashInfer plans on the host). ``graph_rows``
+        (decode steps only): the step replays, or captures, the full CUDA graph
+        of that many rows; rows past the batch are padding without keys.
         """
         dev = block_table.device
         hq, hkv, dim = self.heads
         self.plan_ = plan
         if plan.decode is not None:
-            self._plan_decode(plan.decode, block_table)
+            self._plan_decode(plan.decode, block_table, graph_rows)
             return
+        if graph_rows is not None:
+            raise ValueError("only pure decode steps run as CUDA graphs")
 
         def to_dev(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.to(dev, non_blocking=True)
@@ -112,14 +130,44 @@ class DCPAttention:
         self.rep_slot = (None if rep_query is None else
                          to_dev(_positions_in(rep_index, rep_query)))
 
-    def _plan_decode(self, rows: AttentionRows, block_table: torch.Tensor) -> None:
+    def _plan_decode(self, rows: AttentionRows, block_table: torch.Tensor,
+                     graph_rows: int | None) -> None:
         """Plan the decode kernel: row i (one query) over ``rows.kv_len[i]`` shard tokens."""
         hq, hkv, dim = self.heads
-        table = block_table[: len(rows.req)]  # decode row i is request i
-        indptr, indices, last = paged_kv_layout(rows.kv_len, table, self.page_size)
-        self._decode.plan(indptr, indices, last, hq, hkv, dim, self.page_size,
-                          sm_scale=self.sm_scale, q_data_type=self.dtype,
-                          kv_data_type=self.dtype, o_data_type=self.dtype)
+        kv_len = rows.kv_len
+        if graph_rows is not None:
+            kv_len = torch.cat([kv_len, kv_len.new_zeros(graph_rows - len(kv_len))])
+        # decode row i is request i; padding rows have no pages
+        indptr, indices, last = paged_kv_layout(kv_len, block_table, self.page_size)
+        wrapper = self._decode
+        if graph_rows is not None:
+            wrapper = self._graph_wrapper(graph_rows, block_table.shape[1])
+            buf_indptr, buf_indices, buf_last = self._graph_buffers
+            buf_indptr[: graph_rows + 1].copy_(indptr, non_blocking=True)
+            buf_indices[: len(indices)].copy_(indices, non_blocking=True)
+            buf_last[:graph_rows].copy_(last, non_blocking=True)
+        self._fast_plan_decode(wrapper, indptr, indices, last, hq, hkv, dim, self.page_size,
+                               sm_scale=self.sm_scale, q_data_type=self.dtype,
+                               kv_data_type=self.dtype, o_data_type=self.dtype)
+        self._decode_now = wrapper
+
+    def _graph_wrapper(self, rows: int, max_pages_per_row: int):
+        """The CUDA-graph decode wrapper of ``rows`` rows (made on first use)."""
+        if rows > self.max_graph_rows:
+            raise ValueError(f"a decode graph of {rows} rows, more than the "
+                             f"{self.max_graph_rows} planned for")
+        if self._graph_buffers is None:
+            n, dev = self.max_graph_rows, self._workspace.device
+            self._graph_buffers = tuple(torch.zeros(size, dtype=torch.int32, device=dev)
+                                        for size in (n + 1, n * max_pages_per_row, n))
+        wrapper = self._graph_decode.get(rows)
+        if wrapper is None:
+            indptr, indices, last = self._graph_buffers
+            wrapper = self._graph_decode[rows] = self._decode_wrapper(
+                self._workspace, self._kv_layout, use_cuda_graph=True,
+                paged_kv_indptr_buffer=indptr[: rows + 1], paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last[:rows], use_tensor_cores=True)
+        return wrapper
 
     def _plan_paged(self, wrapper, rows: AttentionRows,
                     block_table: torch.Tensor) -> torch.Tensor | None:
@@ -177,7 +225,7 @@ class DCPAttention:
         send = torch.empty(block, dtype=self.dtype, device=q.device)
         out = send[:size].view(rows, hq, dim)
         lse = send[size:size + lse_size].view(torch.float32).view(rows, hq)
-        self._decode.run(q, kv_cache, out=out, lse=lse, return_lse=True)
+        self._decode_now.run(q, kv_cache, out=out, lse=lse, return_lse=True)
         recv = group.all_gather(send, dim=0).view(n, block)
         outs = recv[:, :size].view(n, rows, hq, dim)
         lses = recv[:, size:size + lse_size].view(torch.float32).view(n, rows, hq)

@@ -29,12 +29,17 @@ ranks: every step, decodes included, is planned with
 :func:`vllm_pcp.dcp_plan.build_dcp_plan` and attended by
 :class:`vllm_pcp.dcp_attention.DCPAttention`. A pure decode step runs the stock
 forward on every rank (vLLM's DCP slot mapping writes each token once); only
-its attention is the plugin's.
+its attention is the plugin's, and it replays a full CUDA graph
+(``cudagraph_mode`` FULL_DECODE_ONLY): the graph is captured from vLLM's dummy
+decode batch planned the same way, and each step plans its real batch into the
+graph's fixed buffers (vLLM pads it to the captured size). Every other DCP
+step runs eagerly.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.distributed.parallel_state import get_dcp_group, get_pcp_group
@@ -121,9 +126,13 @@ class PCPModelRunner(GPUModelRunner):
     def _build_attention_metadata(self, *args, **kwargs):
         plan, self._pcp_plan = self._pcp_plan, None
         self._pcp_step = None
+        if self.pcp_dcp and kwargs.get("for_cudagraph_capture"):
+            return self._build_dcp_capture_metadata(kwargs["num_reqs"]), None
         if plan is None or kwargs.get("for_cudagraph_capture") or kwargs.get("ubatch_slices"):
             return super()._build_attention_metadata(*args, **kwargs)
         if isinstance(plan, DCPAttentionPlan):
+            if plan.decode is not None:  # num_reqs_padded: vLLM replays a full graph
+                return self._build_dcp_decode_metadata(plan, kwargs.get("num_reqs_padded")), None
             return self._build_dcp_attention_metadata(plan, kwargs["slot_mappings"]), None
         if not plan.is_split:
             return super()._build_attention_metadata(*args, **kwargs)
@@ -133,8 +142,6 @@ class PCPModelRunner(GPUModelRunner):
                                       slot_mappings: dict[int, torch.Tensor]) -> dict:
         """Per-layer PCP x DCP metadata and the step's ``_PCPStep``. vLLM's slot
         mapping already holds -1 for tokens another DCP rank owns."""
-        if plan.decode is not None:
-            return self._build_dcp_decode_metadata(plan)
         dev, pcp = self.device, plan.pcp
         gathered = pcp.gathered_token_indices.to(dev, non_blocking=True)
         restore = pcp.restore_indices.to(dev, non_blocking=True)
@@ -155,18 +162,36 @@ class PCPModelRunner(GPUModelRunner):
                                   pcp.num_padded_tokens_per_rank, slot_by_layer)
         return attn_metadata
 
-    def _build_dcp_decode_metadata(self, plan: DCPAttentionPlan) -> dict:
+    def _build_dcp_decode_metadata(self, plan: DCPAttentionPlan,
+                                   graph_rows: int | None = None) -> dict:
         """A pure decode step: every rank runs every token, writes the tokens it owns
-        with vLLM's slot mapping, and needs no ``_PCPStep`` (nothing to restore)."""
-        attn_metadata, num_reqs = {}, self.input_batch.num_reqs
+        with vLLM's slot mapping, and needs no ``_PCPStep`` (nothing to restore).
+        ``graph_rows``: the batch size of the full CUDA graph the step replays."""
+        attn_metadata = {}
+        num_rows = graph_rows or len(plan.decode.req)
         for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
-            table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
+            table = self.input_batch.block_table[gid].get_device_tensor(num_rows)
             for attn_group in self.attn_groups[gid]:
-                metadata = self._pcp_builder(attn_group).build_dcp(plan, table,
-                                                                   self.pcp_group, None)
+                metadata = self._pcp_builder(attn_group).build_dcp(
+                    plan, table, self.pcp_group, None, graph_rows)
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata
         return attn_metadata
+
+    def _build_dcp_capture_metadata(self, num_reqs: int) -> dict:
+        """Capture of a decode graph: vLLM's dummy decode batch (its context long
+        enough for every rank to hold tokens) planned as a folded decode step."""
+        seq_lens = self.optimistic_seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
+        seq_lens = seq_lens[seq_lens > 0]  # rows past the dummy batch: graph padding
+        plan = build_dcp_plan(seq_lens - 1, np.ones(len(seq_lens), dtype=np.int64),
+                              self.pcp_world_size, self.pcp_rank,
+                              self.cp_kv_cache_interleave_size,
+                              min_split_tokens=self.pcp_min_split_tokens)
+        if plan.decode is None or not len(seq_lens):
+            raise RuntimeError(f"CUDA graph capture of {num_reqs} decode rows with sequence "
+                               f"lengths {sorted(set(seq_lens.tolist()))}: not a decode "
+                               "step every rank holds tokens of; run with --enforce-eager")
+        return self._build_dcp_decode_metadata(plan, num_reqs)
 
     @staticmethod
     def _pcp_builder(attn_group) -> PCPFlashInferMetadataBuilder:

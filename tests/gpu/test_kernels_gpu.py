@@ -101,3 +101,65 @@ def test_folded_decode_on_flashinfer(world, hq, hkv, dim, rows):
     for out in outs:
         torch.testing.assert_close(out.float(), expect, **TOL)
         assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize("world,graph_rows", [(2, 4), (2, 8), (4, 8)])
+def test_folded_decode_on_the_graph_wrapper(world, graph_rows):
+    """The CUDA-graph decode wrapper (fixed buffers, padding rows without keys), run
+    outside a graph after planning vLLM's capture batch: the batch's rows as the reference."""
+    from dcp_harness import run_dcp_step
+
+    computed, scheduled = [40, 300, 77], [1, 1, 1]
+    outs, expect = run_dcp_step(world, 8, 2, "cuda", torch.bfloat16, hq=16, hkv=2, dim=128,
+                                computed=computed, scheduled=scheduled, kv_layout="HND",
+                                graph_rows=graph_rows)
+    for out in outs:
+        torch.testing.assert_close(out[:3].float(), expect, **TOL)
+
+
+class _MirrorGroup:
+    """Two ranks with the same partials; its all-gather (two copies) is capturable."""
+    world_size = 2
+
+    def all_gather(self, x, dim=0):
+        return torch.cat([x, x], dim=dim)
+
+
+def test_folded_decode_replays_as_a_cuda_graph():
+    """Capture the decode attention of 8 rows once; plan a batch of 3 into the fixed
+    buffers, replay: its rows equal the eager decode wrapper's."""
+    from vllm_pcp.dcp_attention import DCPAttention
+    from vllm_pcp.dcp_plan import build_dcp_plan
+
+    hq, hkv, dim, page, rows = 16, 2, 128, 16, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = tuple(torch.randn(64, hkv, page, dim, generator=g, device="cuda").bfloat16()
+                  for _ in range(2))
+    table = torch.randint(1, 64, (rows, 20), generator=g, device="cuda", dtype=torch.int32)
+
+    def attention(max_graph_rows):
+        ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+        return DCPAttention(ws, hq, hkv, dim, page, torch.bfloat16, 1 / math.sqrt(dim), "HND",
+                            max_graph_rows=max_graph_rows)
+
+    graph_attn, eager_attn, group = attention(rows), attention(0), _MirrorGroup()
+    q = torch.randn(rows, hq, dim, generator=g, device="cuda").bfloat16()
+    graph_attn.plan(build_dcp_plan([16] * rows, [1] * rows, 2, 0, 8), table, rows)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
+        graph_attn.run(group, q, None, None, cache)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = graph_attn.run(group, q, None, None, cache)
+
+    step = build_dcp_plan([40, 300, 77], [1, 1, 1], 2, 0, 8)
+    graph_attn.plan(step, table, rows)
+    q.copy_(torch.randn(rows, hq, dim, generator=g, device="cuda").bfloat16())
+    graph.replay()
+    eager_attn.plan(step, table[:3])
+    expect = eager_attn.run(group, q[:3].clone(), None, None, cache)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out[:3].float(), expect.float(), **TOL)
+    assert not torch.equal(out[:3], torch.zeros_like(out[:3]))
