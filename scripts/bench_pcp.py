@@ -205,8 +205,9 @@ def report(args) -> None:
     if args.serve_dir:
         rows = serve_rows(glob.glob(os.path.join(args.serve_dir, "*-c*.json")))
         with open(os.path.join(args.out_dir, "serve.json"), "w") as f:
-            json.dump({"meta": {**meta, "command": args.serve_command}, "rows": rows}, f,
-                      indent=1)
+            json.dump({"meta": {**meta, "command": args.serve_command,
+                                **({"note": args.serve_note} if args.serve_note else {})},
+                       "rows": rows}, f, indent=1)
     if args.gsm8k_dir:
         gsm8k = gsm8k_rows(glob.glob(os.path.join(args.gsm8k_dir, "gsm8k-*.json")))
         with open(os.path.join(args.out_dir, "gsm8k.json"), "w") as f:
@@ -255,6 +256,7 @@ def main() -> None:
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--serve-dir", help="folder of scripts/bench_serve.sh results")
     p.add_argument("--serve-command", default="", help="how the serve results were made")
+    p.add_argument("--serve-note", default="", help="stored as serve.json's meta.note")
     p.add_argument("--gsm8k-dir", help="folder of scripts/eval_gsm8k.sh results gsm8k-CONFIG.json")
     p.add_argument("--gsm8k-command", default="", help="how the gsm8k results were made")
     args = ap.parse_args()
