@@ -27,7 +27,9 @@
 #              (SERVE_CONFIGS, default "pcp1 pcp2 pcp2-dcp2 tp2"; INPUT_LEN 16384, PROMPTS
 #              16), the bench model with dummy weights, CUDA graphs as vLLM's default
 #              (SERVE_EAGER=--enforce-eager: none), Qwen2.5-Coder's tokenizer (same
-#              vocabulary; SERVE_TOKENIZER: any tokenizer whose ids the model takes)
+#              vocabulary; SERVE_TOKENIZER: any tokenizer whose ids the model takes);
+#              SERVE_FLAGS adds vllm serve flags (e.g. "--max-num-batched-tokens 16384"),
+#              SERVE_TAG a suffix to the result names (CONFIG-TAG-cN.json)
 # bench: BENCH_CONFIGS, BENCH_PROMPT_LENS, BENCH_PROFILE ("--profile-decode 16": decode steps
 # instead of a 32K prefill; empty: no profile) override; BENCH_PARALLEL_ONE_GPU= (empty)
 # runs the one-GPU configurations one after the other (cleaner ITL); BENCH_EAGER= (empty)
@@ -86,14 +88,19 @@ case "$stage" in
       case $config in
         pcp1) flags=(--prefill-context-parallel-size 1) env=(CUDA_VISIBLE_DEVICES=0) ;;
         pcp2) flags=(--prefill-context-parallel-size 2) env=() ;;
-        tp2) flags=(--tensor-parallel-size 2) env=() ;;
+        # vLLM's all-reduce + RMSNorm fusion (on with torch.compile at TP > 1) failed
+        # vLLM's memory profiling on this host (NVLink multicast is off here): off
+        tp2) flags=(--tensor-parallel-size 2
+                    --compilation-config '{"pass_config": {"fuse_allreduce_rms": false}}')
+             env=() ;;
         pcp2-dcp2) flags=(--prefill-context-parallel-size 2 --decode-context-parallel-size 2)
                    env=() ;;
       esac
       env "${env[@]}" INPUT_LEN=${INPUT_LEN:-16384} PROMPTS=${PROMPTS:-16} \
         "$here/bench_serve.sh" /tmp/bench-models/qwen2.5-3b-shape \
-        "${SERVE_TOKENIZER:-/tmp/models/qwen2.5-coder-0.5b}" "$work" "$config" \
-        --load-format dummy ${SERVE_EAGER-} "${flags[@]}" > "$work/$config.log" 2>&1
+        "${SERVE_TOKENIZER:-/tmp/models/qwen2.5-coder-0.5b}" "$work" "$config${SERVE_TAG-}" \
+        --load-format dummy ${SERVE_EAGER-} ${SERVE_FLAGS-} "${flags[@]}" \
+        > "$work/$config${SERVE_TAG-}.log" 2>&1
       echo "$config rc=$?"
     done ;;
   serve)
