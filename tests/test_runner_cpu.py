@@ -291,7 +291,14 @@ def test_dcp_graph_capture_plans_vllms_dummy_decode_batch():
     md = runner._build_attention_metadata(num_reqs=3, for_cudagraph_capture=True,
                                           slot_mappings={0: _global_slots()})[0]["l1"]
     assert md.graph_rows == 3 and len(md.plan.decode.req) == 2  # row 3: padding
-    runner.optimistic_seq_lens_cpu[:3] = 1  # no context: rank 1 would hold nothing
+    # vLLM's memory profiling: 16-token rows (8192 / 512), interleave 16 -> rank 1 of 2
+    # would hold none of them; the rows are lengthened so every rank holds a token
+    runner.cp_kv_cache_interleave_size = 16
+    runner.optimistic_seq_lens_cpu[:] = torch.tensor([16, 16, 1, 0, 0])
+    md = runner._build_attention_metadata(num_reqs=3, for_cudagraph_capture=True,
+                                          slot_mappings={0: _global_slots()})[0]["l1"]
+    assert md.graph_rows == 3 and md.plan.decode.kv_len.tolist() == [1, 1, 1]
+    runner.optimistic_seq_lens_cpu[:] = 0  # nothing to capture
     with pytest.raises(RuntimeError, match="--enforce-eager"):
         runner._build_attention_metadata(num_reqs=3, for_cudagraph_capture=True,
                                          slot_mappings={0: _global_slots()})

@@ -179,18 +179,23 @@ class PCPModelRunner(GPUModelRunner):
         return attn_metadata
 
     def _build_dcp_capture_metadata(self, num_reqs: int) -> dict:
-        """Capture of a decode graph: vLLM's dummy decode batch (its context long
-        enough for every rank to hold tokens) planned as a folded decode step."""
+        """Capture of a decode graph: vLLM's dummy decode batch planned as a folded
+        decode step. Its rows are made long enough for every rank to hold a token:
+        vLLM's memory profiling captures with its token budget over the batch size
+        (16 at 8192 / 512), shorter than ``interleave * (N - 1)`` for large
+        interleaves; a replay plans its own batch, so the lengths only need to be valid."""
         seq_lens = self.optimistic_seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
         seq_lens = seq_lens[seq_lens > 0]  # rows past the dummy batch: graph padding
+        seq_lens = np.maximum(seq_lens, self.cp_kv_cache_interleave_size
+                              * (self.pcp_world_size - 1) + 1)
         plan = build_dcp_plan(seq_lens - 1, np.ones(len(seq_lens), dtype=np.int64),
                               self.pcp_world_size, self.pcp_rank,
                               self.cp_kv_cache_interleave_size,
                               min_split_tokens=self.pcp_min_split_tokens)
         if plan.decode is None or not len(seq_lens):
             raise RuntimeError(f"CUDA graph capture of {num_reqs} decode rows with sequence "
-                               f"lengths {sorted(set(seq_lens.tolist()))}: not a decode "
-                               "step every rank holds tokens of; run with --enforce-eager")
+                               f"lengths {sorted(set(seq_lens.tolist()))}: not a pure decode "
+                               "batch; run with --enforce-eager")
         return self._build_dcp_decode_metadata(plan, num_reqs)
 
     @staticmethod
