@@ -105,13 +105,18 @@ def _rows_of(meta: PrefillContextParallelMetadata, wanted: np.ndarray):
     return req[keep], qsl[:-1][keep], np.diff(qsl)[keep]
 
 
+def min_folded_seq_len(world_size: int, interleave: int) -> int:
+    """The shortest sequence every one of ``world_size`` ranks stores a token of."""
+    return interleave * (world_size - 1) + 1
+
+
 def is_folded_decode(num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                      world_size: int, interleave: int) -> bool:
     """True when every request decodes one token and every rank stores at least one
     of its tokens (the new one included). Scheduler output only: the same on every rank."""
     seq_lens = num_computed_tokens + num_scheduled_tokens
     return (len(num_scheduled_tokens) > 0 and bool((num_scheduled_tokens == 1).all())
-            and bool((seq_lens > interleave * (world_size - 1)).all()))
+            and bool((seq_lens >= min_folded_seq_len(world_size, interleave)).all()))
 
 
 def _decode_rows(computed: np.ndarray, rank: int, world_size: int,

@@ -50,7 +50,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_pcp.backend import PCPFlashInferMetadataBuilder, PCPKVExchange
 from vllm_pcp.config import PCPKnobs, min_split_tokens
-from vllm_pcp.dcp_plan import DCPAttentionPlan, build_dcp_plan
+from vllm_pcp.dcp_plan import DCPAttentionPlan, build_dcp_plan, min_folded_seq_len
 from vllm_pcp.exchange import gathered_slot_mapping, restore_hidden_states
 from vllm_pcp.partition import PrefillContextParallelMetadata, build_pcp_metadata
 
@@ -186,16 +186,15 @@ class PCPModelRunner(GPUModelRunner):
         interleaves; a replay plans its own batch, so the lengths only need to be valid."""
         seq_lens = self.optimistic_seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
         seq_lens = seq_lens[seq_lens > 0]  # rows past the dummy batch: graph padding
-        seq_lens = np.maximum(seq_lens, self.cp_kv_cache_interleave_size
-                              * (self.pcp_world_size - 1) + 1)
+        if not len(seq_lens):
+            raise RuntimeError(f"CUDA graph capture of {num_reqs} decode rows without "
+                               "sequences; run with --enforce-eager")
+        seq_lens = np.maximum(seq_lens, min_folded_seq_len(self.pcp_world_size,
+                                                           self.cp_kv_cache_interleave_size))
         plan = build_dcp_plan(seq_lens - 1, np.ones(len(seq_lens), dtype=np.int64),
                               self.pcp_world_size, self.pcp_rank,
                               self.cp_kv_cache_interleave_size,
                               min_split_tokens=self.pcp_min_split_tokens)
-        if plan.decode is None or not len(seq_lens):
-            raise RuntimeError(f"CUDA graph capture of {num_reqs} decode rows with sequence "
-                               f"lengths {sorted(set(seq_lens.tolist()))}: not a pure decode "
-                               "batch; run with --enforce-eager")
         return self._build_dcp_decode_metadata(plan, num_reqs)
 
     @staticmethod
