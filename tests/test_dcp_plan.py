@@ -78,8 +78,8 @@ def test_decode_steps_fold_the_new_token_into_the_shard(world, interleave):
         assert d.qo_indptr.tolist() == [0, 1, 2, 3] and (d.kv_len > 0).all()
         expect = dcp_local_seq_len(torch.tensor(computed) + 1, p.dcp_rank, world, interleave)
         assert d.kv_len.tolist() == expect.tolist()
-        # a pure decode step's local tokens are the step's tokens, in order
-        assert p.pcp.local_token_indices.tolist() == [0, 1, 2]
+        # a pure decode step attends the step's tokens, in order; no general plan
+        assert p.num_local_tokens == 3 and p.pcp is None and p.ctx_split is None
     assert sum(p.decode.kv_len for p in plans).tolist() == [c + 1 for c in computed]
 
 

@@ -106,10 +106,14 @@ def _pcp_dcp_attention(rank, world, interleave, computed, scheduled, new, prior,
     plan = build_dcp_plan(computed, scheduled, world, rank, interleave,
                           min_split_tokens=min_split)
     meta = plan.pcp
-    local = meta.local_token_indices
-    k_all, v_all = gather_kv(group, new["k"][local], new["v"][local],
-                             meta.num_padded_tokens_per_rank)
-    k_step, v_step = k_all[meta.restore_indices], v_all[meta.restore_indices]
+    if plan.decode is not None:  # every rank runs every token: no exchange
+        local = torch.arange(sum(scheduled))
+        k_step, v_step = new["k"], new["v"]
+    else:
+        local = meta.local_token_indices
+        k_all, v_all = gather_kv(group, new["k"][local], new["v"][local],
+                                 meta.num_padded_tokens_per_rank)
+        k_step, v_step = k_all[meta.restore_indices], v_all[meta.restore_indices]
     shard, start = [], 0
     for req, ((pk, pv), c, s) in enumerate(zip(prior, computed, scheduled)):
         cap = c + s

@@ -382,7 +382,7 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
     builder.vllm_config = SimpleNamespace(
         scheduler_config=SimpleNamespace(max_num_seqs=8),
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=16))
-    plan = SimpleNamespace(pcp=SimpleNamespace(num_local_tokens=7))
+    plan = SimpleNamespace(num_local_tokens=7)
     first = builder.build_dcp(plan, "table", "group", "exchange")
     second = builder.build_dcp(plan, "table2", "group", None)
     assert made == [(("ws", 8, 2, 64, 16, torch.bfloat16, 0.125, "HND"),

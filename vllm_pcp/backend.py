@@ -131,7 +131,7 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 max_graph_rows=_max_decode_graph_rows(self.vllm_config))
         self._dcp_attention.plan(plan, block_table, graph_rows)
         return PCPDCPMetadata(self._dcp_attention, group, exchange,
-                              graph_rows or plan.pcp.num_local_tokens)
+                              graph_rows or plan.num_local_tokens)
 
 
 def _max_decode_graph_rows(vllm_config) -> int:

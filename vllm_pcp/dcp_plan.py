@@ -73,18 +73,23 @@ class DCPAttentionPlan:
     queries, in an order that is the same on every rank. ``decode`` is set on a
     pure decode step only (:func:`is_folded_decode`): row i is request i, its
     query is step token i, and ``kv_len`` counts the shard's tokens with the
-    new one; the other fields are then unused by the attention.
+    new one; the general fields are then None (not built: host time per step).
     """
 
-    pcp: PrefillContextParallelMetadata
+    pcp: PrefillContextParallelMetadata | None
     dcp_world_size: int
     dcp_rank: int
     interleave: int
-    new_kv_token_index: torch.Tensor
-    new_kv_indptr: torch.Tensor
-    ctx_split: AttentionRows
-    ctx_replicated: AttentionRows
+    new_kv_token_index: torch.Tensor | None
+    new_kv_indptr: torch.Tensor | None
+    ctx_split: AttentionRows | None
+    ctx_replicated: AttentionRows | None
     decode: AttentionRows | None = None
+
+    @property
+    def num_local_tokens(self) -> int:
+        """Query tokens this rank attends: the step's tokens on a decode step."""
+        return len(self.decode.req) if self.decode is not None else self.pcp.num_local_tokens
 
 
 def _rows(starts: np.ndarray, lens: np.ndarray, reqs: np.ndarray,
@@ -122,9 +127,12 @@ def is_folded_decode(num_computed_tokens: np.ndarray, num_scheduled_tokens: np.n
 def _decode_rows(computed: np.ndarray, rank: int, world_size: int,
                  interleave: int) -> AttentionRows:
     """Request i attends with step token i to its shard, the new token included."""
-    reqs = np.arange(len(computed))
+    num = len(computed)
     kv = dcp_local_seq_len(torch.from_numpy(computed + 1), rank, world_size, interleave)
-    return _rows(reqs, np.ones_like(reqs), reqs, kv.numpy())
+    return AttentionRows(query_index=torch.arange(num),
+                         qo_indptr=torch.arange(num + 1, dtype=torch.int32),
+                         req=torch.arange(num, dtype=torch.int32),
+                         kv_len=kv.to(torch.int32))
 
 
 def build_dcp_plan(
@@ -142,6 +150,11 @@ def build_dcp_plan(
     scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
+    if is_folded_decode(computed, scheduled, world_size, interleave):
+        return DCPAttentionPlan(
+            pcp=None, dcp_world_size=world_size, dcp_rank=rank, interleave=interleave,
+            new_kv_token_index=None, new_kv_indptr=None, ctx_split=None,
+            ctx_replicated=None, decode=_decode_rows(computed, rank, world_size, interleave))
     metas = build_pcp_metadata_all_ranks(computed, scheduled, world_size,
                                          min_split_tokens=min_split_tokens,
                                          decode_threshold=decode_threshold)
@@ -172,6 +185,4 @@ def build_dcp_plan(
         new_kv_indptr=torch.from_numpy(np.concatenate([[0], np.cumsum(new_lens)])
                                        .astype(np.int32)),
         ctx_split=_rows(s_start, s_len, s_req, local_kv[s_req]),
-        ctx_replicated=_rows(r_start[order], r_len[order], r_req[order], local_kv[r_req[order]]),
-        decode=(_decode_rows(computed, rank, world_size, interleave)
-                if is_folded_decode(computed, scheduled, world_size, interleave) else None))
+        ctx_replicated=_rows(r_start[order], r_len[order], r_req[order], local_kv[r_req[order]]))
