@@ -40,13 +40,18 @@ CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
            # full CUDA graphs of the decode steps (FULL_DECODE_ONLY), torch.compile on
            "pcp2-dcp2-i8-graphs": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
                                    "--cuda-graphs"],
+           # DCP inside TP (PCP = 1): models with fewer kv heads than -tp (vLLM's rule)
+           **{f"tp2-dcp2-i{i}": ["--tp", "2", "--dcp", "2", "--interleave", str(i)]
+              for i in (1, 8, 16)},
+           "tp2-dcp2-i8-graphs": ["--tp", "2", "--dcp", "2", "--interleave", "8",
+                                  "--cuda-graphs"],
            # a per-rank KV pool smaller than the longest prompt: only the sharded cache fits it
            "pcp2-dcp2-i8-smallpool": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
                                       "--kv-pool-tokens", str(SMALL_POOL_TOKENS)]}
 BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1",
             "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
             **{c: "pcp1-graphs" if c.endswith("-graphs") else "pcp1"
-               for c in CONFIGS if c.startswith("pcp2-dcp2")}}
+               for c in CONFIGS if "-dcp2" in c}}
 SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
                  "qwen2.5-coder-0.5b": "/tmp/models/qwen2.5-coder-0.5b"}
 

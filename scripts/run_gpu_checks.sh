@@ -15,6 +15,8 @@
 #              on FlashAttention against FlashInfer (the noise floor of a kernel change);
 #              one run whose KV pool per rank (20480 tokens) is smaller than its longest
 #              prompt (32768); DCP_CONFIGS and DCP_UNCHUNKED_CONFIGS pick configurations
+#   exact-tp-dcp  -tp 2 -dcp 2 (PCP = 1) at interleave 1, 8, 16 and with CUDA graphs
+#              against PCP = 1, the 1-kv-head model, chunked and unchunked prefill
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
@@ -74,6 +76,13 @@ case "$stage" in
       --raw "$work/raw-dcp-unchunked.json" \
       > "$work/dcp-u.log" 2>&1 &
     wait; tail -n 30 "$work"/dcp.log "$work"/dcp-u.log ;;
+  exact-tp-dcp)  # DCP inside TP on FlashInfer: the 1-kv-head model (kv heads < -tp)
+    ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
+    lanes --lanes 4 --one-gpu-lanes 2 --variants chunked,unchunked --max-tokens 256 \
+      --models qwen2-mqa-1kv \
+      --configs pcp1,pcp1-graphs,tp2-dcp2-i1,tp2-dcp2-i8,tp2-dcp2-i16,tp2-dcp2-i8-graphs \
+      --raw "$work/raw-tp-dcp.json" > "$work/tp-dcp.log" 2>&1
+    tail -n 30 "$work/tp-dcp.log" ;;
   bench)
     python3 "$here/bench_pcp.py" run ${BENCH_EAGER---eager} \
       ${BENCH_PARALLEL_ONE_GPU---parallel-one-gpu} \

@@ -7,6 +7,7 @@ single-process reference.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -71,13 +72,17 @@ def _capture_like_vllm(attn, world, rank, interleave, graph_rows, table):
 
 def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
                  page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD",
-                 graph_rows=None):
+                 graph_rows=None, heads_gathered=False):
     """Each rank's restored output (in the attention's output dtype) and the float32
     reference computed from the same ``dtype``-rounded inputs.
 
     ``graph_rows`` (decode steps): plan a graph capture of that many rows first, then
     the step on the same graph wrapper, with the queries padded to ``graph_rows``
-    rows; the output keeps the padding rows."""
+    rows; the output keeps the padding rows.
+
+    ``heads_gathered``: DCP inside TP (PCP = 1). Rank r holds query heads
+    ``[r * hq / N, (r + 1) * hq / N)`` of every token and the same K/V heads; nothing
+    is split (``min_split`` is ignored); each rank's output is its own heads, step order."""
     full, q = make_batch(hq, hkv, dim, world * 100 + interleave, computed, scheduled)
     full = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in full]
     q = q.to(dtype).float()
@@ -89,7 +94,7 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
 
     def rank_fn(rank):
         plan = build_dcp_plan(computed, scheduled, world, rank, interleave,
-                              min_split_tokens=min_split)
+                              min_split_tokens=sys.maxsize if heads_gathered else min_split)
         cache, table = _paged_shard(full, rank, world, interleave, page_size, device, dtype)
         if kv_layout == "HND":  # [pages, Hkv, page_size, D]
             cache = tuple(c.transpose(1, 2).contiguous() for c in cache)
@@ -103,6 +108,10 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
         attn.plan(plan, table, graph_rows)
         if graph_rows is not None:
             assert attn._decode_now is captured  # a replay runs the captured wrapper
+        if heads_gathered:
+            heads = hq // world
+            mine = q_step[:, rank * heads:(rank + 1) * heads]
+            return attn.run_heads_gathered(group.rank(rank), mine, k_step, v_step, cache).cpu()
         if plan.decode is not None:  # the runner's decode step: step order, no restore
             return attn.run(group.rank(rank), q_step, None, None, cache).cpu()
         local = plan.pcp.local_token_indices.to(device)

@@ -126,28 +126,50 @@ def test_dcp_refuses_quantized_kv_cache():
 FI = SimpleNamespace(name="FLASHINFER")
 
 
-@pytest.mark.parametrize("over,refused", [
+@pytest.mark.parametrize("over,taken", [
     (dict(pcp=1, decode_context_parallel_size=2, backend=FI), True),
     (dict(pcp=1, decode_context_parallel_size=2), False),  # auto: the builder decides
     (dict(pcp=1, decode_context_parallel_size=2, backend=SimpleNamespace(name="FLASH_ATTN")),
      False),
     (dict(pcp=1, decode_context_parallel_size=2, backend=FI, use_mla=True), False),
     (dict(pcp=1, backend=FI), False)])
-def test_vllms_own_flashinfer_dcp_is_refused_at_pcp1(over, refused):
-    cfg = _config(**over)
-    if refused:
-        with pytest.raises(PCPConfigError, match="--attention-backend FLASH_ATTN"):
-            prepare_pcp_config(cfg)
+def test_dcp_inside_tp_on_named_flashinfer_is_the_plugins(over, taken):
+    """vLLM 0.26.0's own FlashInfer DCP gives wrong tokens: with FLASHINFER named,
+    -tp N -dcp N runs on the plugin's worker and DCP attention instead."""
+    from vllm.config import CUDAGraphMode
+
+    cfg = _config(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, **over)
+    assert prepare_pcp_config(cfg) is taken
+    if taken:
+        assert cfg.parallel_config.worker_cls == WORKER_CLS
+        assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
     else:
-        assert prepare_pcp_config(cfg) is False
+        assert cfg.parallel_config.worker_cls != WORKER_CLS
 
 
-def test_the_builder_refuses_an_automatic_flashinfer_dcp_at_pcp1():
+def test_dcp_inside_tp_refusals_name_the_dcp_layout():
+    cfg = _config(pcp=1, decode_context_parallel_size=2, backend=FI, dcp_comm_backend="a2a",
+                  cache_dtype="fp8", lora_config=object())
+    with pytest.raises(PCPConfigError) as err:
+        prepare_pcp_config(cfg)
+    msg = str(err.value)
+    assert "--decode-context-parallel-size 2 (DCP inside TP)" in msg
+    assert "--dcp-comm-backend a2a" in msg and "--kv-cache-dtype fp8" in msg
+    assert "drop it or drop -dcp" in msg
+
+
+def test_the_builder_refuses_an_automatic_flashinfer_dcp_at_pcp1(monkeypatch):
+    from vllm.v1.attention.backends.flashinfer import FlashInferMetadataBuilder
+
     from vllm_pcp.backend import PCPFlashInferMetadataBuilder
 
     cfg = _config(pcp=1, decode_context_parallel_size=2)
-    with pytest.raises(PCPConfigError, match="-pcp 2 -dcp 2"):
+    with pytest.raises(PCPConfigError, match="--attention-backend FLASHINFER"):
         PCPFlashInferMetadataBuilder(None, [], cfg, "cpu")
+    # with the plugin's worker in place (FLASHINFER named) the builder is made
+    monkeypatch.setattr(FlashInferMetadataBuilder, "__init__", lambda *a: None)
+    cfg.parallel_config.worker_cls = WORKER_CLS
+    PCPFlashInferMetadataBuilder(None, [], cfg, "cpu")
 
 
 def test_a_split_threshold_above_the_token_budget_is_warned_about():

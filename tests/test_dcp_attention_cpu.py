@@ -12,7 +12,7 @@ import pytest
 import torch
 import vllm.v1.attention.backends.flashinfer  # noqa: F401  (imported before the fakes)
 
-from dcp_harness import run_dcp_step
+from dcp_harness import COMPUTED, SCHEDULED, run_dcp_step
 from vllm_pcp import reference
 
 
@@ -221,3 +221,25 @@ def test_decode_steps_as_cuda_graphs(float32_flashinfer, world, interleave, grap
 def test_graph_rows_are_for_decode_steps_only(float32_flashinfer):
     with pytest.raises(ValueError, match="pure decode"):
         run_dcp_step(2, 8, 2, "cpu", torch.float32, graph_rows=8)
+
+
+TP_DCP_STEPS = [(None, None), FOLDED_DECODES[0], ([0, 0], [64, 9]), ([3, 0], [1, 50])]
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (2, 8), (4, 16)])
+@pytest.mark.parametrize("step", TP_DCP_STEPS)
+def test_dcp_inside_tp_gathers_the_query_heads(float32_flashinfer, world, interleave, step):
+    """-tp N -dcp N: every rank holds every token and hq / N query heads; its heads of
+    the result equal one process's attention, whether the step folds or not."""
+    computed, scheduled = step if step[0] is not None else (COMPUTED, SCHEDULED)
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.float32, computed=computed,
+                                scheduled=scheduled, heads_gathered=True)
+    torch.testing.assert_close(torch.cat(outs, dim=1), expect, atol=1e-5, rtol=1e-5)
+
+
+def test_dcp_inside_tp_as_cuda_graphs(float32_flashinfer):
+    computed, scheduled = FOLDED_DECODES[0]
+    outs, expect = run_dcp_step(2, 8, 2, "cpu", torch.float32, computed=computed,
+                                scheduled=scheduled, heads_gathered=True, graph_rows=8)
+    torch.testing.assert_close(torch.cat(outs, dim=1)[: len(computed)], expect,
+                               atol=1e-5, rtol=1e-5)

@@ -45,7 +45,9 @@ def _make_runner(group, rank):
     r.pcp_min_split_tokens = 2 * group.world_size
     r.reorder_batch_threshold = 1
     r.pcp_dcp, r.cp_kv_cache_interleave_size = False, 1
+    r.dcp_group, r.dcp_heads_gathered = r.pcp_group, False
     r._pcp_plan = r._pcp_step = None
+    r._dcp_eager = False
     table = SimpleNamespace(get_device_tensor=lambda n: BLOCKS[:n])
     r.input_batch = SimpleNamespace(num_reqs=len(SCHEDULED), block_table=[table],
                                     num_computed_tokens_cpu=np.array(COMPUTED, np.int32))
@@ -335,6 +337,10 @@ def test_dcp_forward_runs_the_planned_attention(monkeypatch):
             calls.append((group, q.shape, k, cache[0].shape))
             return q * 2
 
+        def run_heads_gathered(self, group, q, k, v, cache):
+            calls.append(("heads", group, q.shape, k.shape, v.shape))
+            return q * 3
+
     monkeypatch.setattr(backend_mod.FlashInferBackend, "get_kv_cache_stride_order",
                         staticmethod(lambda: (0, 2, 1, 3)))
     impl = object.__new__(PCPFlashInferImpl)
@@ -352,7 +358,14 @@ def test_dcp_forward_runs_the_planned_attention(monkeypatch):
     impl.forward(None, query, None, None, kv_cache,
                  PCPDCPMetadata(FakeAttention(), "group", None, 3), output)
     assert calls[-1] == ("group", (3, 2, 4), None, (6, 16, 1, 4))
-    # Any other metadata under PCP x DCP is a warm-up run: zeros, no stock DCP path.
+    # DCP inside TP: the layer's own K/V (every rank has the step's), heads gathered
+    key, value = torch.randn(5, 1, 4), torch.randn(5, 1, 4)
+    output.zero_()
+    impl.forward(None, query, key, value, kv_cache,
+                 PCPDCPMetadata(FakeAttention(), "group", None, 3, heads_gathered=True), output)
+    assert calls[-1] == ("heads", "group", (3, 2, 4), (3, 1, 4), (3, 1, 4))
+    torch.testing.assert_close(output[:3], query[:3] * 3)
+    # Any other metadata under DCP is a warm-up run: zeros, no stock DCP path.
     output.fill_(1)
     impl.forward(None, query, None, None, kv_cache, SimpleNamespace(), output)
     assert (output == 0).all()
@@ -381,7 +394,9 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
     builder.global_hyperparameters = SimpleNamespace(sm_scale=0.125)
     builder.vllm_config = SimpleNamespace(
         scheduler_config=SimpleNamespace(max_num_seqs=8),
-        compilation_config=SimpleNamespace(max_cudagraph_capture_size=16))
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=16),
+        parallel_config=SimpleNamespace(prefill_context_parallel_size=2))
+    builder.dcp_world_size = 2
     plan = SimpleNamespace(num_local_tokens=7)
     first = builder.build_dcp(plan, "table", "group", "exchange")
     second = builder.build_dcp(plan, "table2", "group", None)
@@ -393,6 +408,62 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
     assert second.num_local_tokens == 7 and second.group == "group"
     graph = builder.build_dcp(plan, "table3", "group", None, graph_rows=4)
     assert graph.num_local_tokens == 4 and graph.attention.planned == (plan, "table3", 4)
+    assert not graph.heads_gathered
+    # DCP inside TP (PCP = 1): the attention takes the DCP group's query heads
+    builder._dcp_attention = None
+    builder.vllm_config.parallel_config.prefill_context_parallel_size = 1
+    tp = builder.build_dcp(plan, "table", "group", None)
+    assert made[-1][0][1] == 16 and tp.heads_gathered
+
+
+def _tp_dcp_runner(monkeypatch, computed, scheduled):
+    """Rank 1 of -tp 2 -dcp 2 at PCP = 1: the DCP group is vLLM's, inside TP."""
+    group = ThreadGroup(2)
+    runner = _make_runner(group, 1)
+    runner.pcp_group = ThreadGroup(1).rank(0)
+    runner.pcp_world_size, runner.pcp_rank = 1, 0
+    runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
+    runner.dcp_group, runner.dcp_heads_gathered = group.rank(1), True
+    runner.input_batch.num_computed_tokens_cpu = np.array(computed, np.int32)
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
+    runner._prepare_inputs(None, np.array(scheduled, np.int32))
+    return runner
+
+
+def test_dcp_inside_tp_plans_over_the_dcp_group_and_splits_nothing(monkeypatch):
+    runner = _tp_dcp_runner(monkeypatch, COMPUTED, SCHEDULED)
+    plan = runner._pcp_plan
+    assert plan.dcp_rank == 1 and plan.dcp_world_size == 2
+    assert len(plan.ctx_split.query_index) == 0  # every row replicated: nothing split
+    assert sorted(plan.pcp.local_token_indices.tolist()) == list(range(sum(SCHEDULED)))
+    metadata = runner._build_attention_metadata(num_reqs=4, num_reqs_padded=4,
+                                                slot_mappings={0: _global_slots()})[0]
+    md = metadata["l0"]
+    # stock forward and cache write (every rank has the step's K/V), never a graph
+    assert md.pcp_exchange is None and runner._pcp_step is None and runner._dcp_eager
+    assert md.group is runner.dcp_group and md.graph_rows is None
+
+
+def test_dcp_inside_tp_decode_steps_replay_graphs(monkeypatch):
+    runner = _tp_dcp_runner(monkeypatch, [30, 9, 17], [1, 1, 1])
+    md = runner._build_attention_metadata(num_reqs=3, num_reqs_padded=4,
+                                          slot_mappings={0: _global_slots()})[0]["l0"]
+    assert md.plan.decode is not None and md.graph_rows == 4 and not runner._dcp_eager
+
+
+def test_an_eager_dcp_step_switches_the_graph_off(monkeypatch):
+    runner = _tp_dcp_runner(monkeypatch, COMPUTED, SCHEDULED)
+    runner._build_attention_metadata(num_reqs=4, slot_mappings={0: _global_slots()})
+    seen = {}
+    ctx = SimpleNamespace(cudagraph_runtime_mode="FULL", batch_descriptor="bd")
+    monkeypatch.setattr(runner_mod, "get_forward_context", lambda: ctx)
+    monkeypatch.setattr(GPUModelRunner, "_model_forward",
+                        lambda self, *a, **k: seen.update(mode=ctx.cudagraph_runtime_mode))
+    runner._model_forward(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    from vllm.config import CUDAGraphMode
+
+    assert seen["mode"] == CUDAGraphMode.NONE and ctx.batch_descriptor is None
+    assert not runner._dcp_eager  # one step only
 
 
 def test_row_buffers_hold_two_rows_per_request():

@@ -8,7 +8,8 @@ cache (slots of tokens another DCP rank owns are -1). With DCP = 1 attention
 is FlashInfer's own: each local chunk attends causally over the paged cache,
 and the bottom-right causal mask places the chunk at its absolute offset. With
 DCP == PCP the cache holds a shard only, and :mod:`vllm_pcp.dcp_attention`
-runs the step. Steps without split prefills at DCP = 1, and PCP = 1, run
+runs the step; so it does for DCP inside TP at PCP = 1 (``-tp N -dcp N`` with
+FLASHINFER named), whose ranks hold every token and their own query heads. Steps without split prefills at DCP = 1, and PCP = 1, run
 exactly as stock FlashInfer.
 """
 from __future__ import annotations
@@ -44,9 +45,10 @@ class PCPDCPMetadata:
     """Attention metadata of a PCP x DCP step (replaces FlashInferMetadata)."""
 
     attention: object  # vllm_pcp.dcp_attention.DCPAttention, planned for the step
-    group: object  # vLLM GroupCoordinator of the PCP (= DCP) ranks
+    group: object  # vLLM GroupCoordinator of the DCP ranks (= the PCP ranks at PCP > 1)
     pcp_exchange: PCPKVExchange | None  # None on a decode step: stock cache write
     num_local_tokens: int
+    heads_gathered: bool = False  # DCP inside TP: query heads all-gathered, K/V of the layer
 
 
 class PCPFlashInferImpl(FlashInferImpl):
@@ -67,11 +69,10 @@ class PCPFlashInferImpl(FlashInferImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if not isinstance(attn_metadata, PCPDCPMetadata):
-            if self.dcp_world_size > 1 and self.pcp_world_size > 1:
-                # Under PCP x DCP every engine step and graph capture carries
-                # PCPDCPMetadata; anything else is a profiling or warm-up run, which
-                # vLLM's own DCP path (DCP inside TP) cannot shape. Like vLLM's
-                # profiling run: zeros.
+            if self.dcp_world_size > 1:
+                # DCP on FlashInfer is the plugin's (vLLM's own is refused): every
+                # engine step and graph capture carries PCPDCPMetadata; anything else
+                # is a profiling or warm-up run. Like vLLM's profiling run: zeros.
                 return output.fill_(0)
             return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                    output, output_scale, output_block_scale)
@@ -82,8 +83,13 @@ class PCPFlashInferImpl(FlashInferImpl):
         # Zero-copy; a 1-kv-head cache gets TMA-legal strides, as vLLM's forward does.
         cache = canonicalize_singleton_dim_strides(
             kv_cache.permute(*FlashInferBackend.get_kv_cache_stride_order()))
-        out = attn_metadata.attention.run(attn_metadata.group, query[:n], k_step, v_step,
-                                          cache.split(self.head_size, dim=-1))
+        kv = cache.split(self.head_size, dim=-1)
+        if attn_metadata.heads_gathered:  # every rank holds the step's K/V: the layer's
+            out = attn_metadata.attention.run_heads_gathered(
+                attn_metadata.group, query[:n], key[:n], value[:n], kv)
+        else:
+            out = attn_metadata.attention.run(attn_metadata.group, query[:n], k_step, v_step,
+                                              kv)
         output[:n].copy_(out)
         return output
 
@@ -102,9 +108,10 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         parallel = vllm_config.parallel_config
         if parallel.prefill_context_parallel_size == 1 and \
                 parallel.decode_context_parallel_size > 1:
-            from vllm_pcp.config import stock_flashinfer_dcp_error
+            from vllm_pcp.config import WORKER_CLS, stock_flashinfer_dcp_error
 
-            raise stock_flashinfer_dcp_error(parallel.decode_context_parallel_size)
+            if parallel.worker_cls != WORKER_CLS:  # FlashInfer picked by vLLM, not named
+                raise stock_flashinfer_dcp_error(parallel.decode_context_parallel_size)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if parallel.prefill_context_parallel_size > 1:
             grow_row_buffers(self, 2 * vllm_config.scheduler_config.max_num_seqs)
@@ -124,14 +131,21 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
 
             from vllm_pcp.dcp_attention import DCPAttention
 
+            # DCP inside TP gathers the query heads of the DCP group
+            heads = self.num_qo_heads * (self.dcp_world_size if _heads_gathered(self) else 1)
             self._dcp_attention = DCPAttention(
-                self._get_workspace_buffer(), self.num_qo_heads, self.num_kv_heads,
+                self._get_workspace_buffer(), heads, self.num_kv_heads,
                 self.head_dim, self.page_size, self.q_data_type_prefill,
                 self.global_hyperparameters.sm_scale, get_kv_cache_layout(),
                 max_graph_rows=_max_decode_graph_rows(self.vllm_config))
         self._dcp_attention.plan(plan, block_table, graph_rows)
         return PCPDCPMetadata(self._dcp_attention, group, exchange,
-                              graph_rows or plan.num_local_tokens)
+                              graph_rows or plan.num_local_tokens, _heads_gathered(self))
+
+
+def _heads_gathered(builder) -> bool:
+    """DCP inside TP (PCP = 1): the DCP ranks hold different query heads."""
+    return builder.vllm_config.parallel_config.prefill_context_parallel_size == 1
 
 
 def _max_decode_graph_rows(vllm_config) -> int:

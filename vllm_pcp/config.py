@@ -79,22 +79,24 @@ def _dcp_refusals(vllm_config) -> list[str]:
     pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
     if dcp == 1:
         return []
-    if dcp != pcp:
+    if pcp > 1 and dcp != pcp:
         return [f"--decode-context-parallel-size {dcp}: with -pcp {pcp} it must be 1 or "
                 f"{pcp} (the KV cache sharded over the PCP ranks)"]
     out = []
     if getattr(parallel, "dcp_comm_backend", "ag_rs") == "a2a":
-        out.append("--dcp-comm-backend a2a: PCP x DCP exchanges partial states itself; "
+        out.append("--dcp-comm-backend a2a: vllm-pcp's DCP exchanges partial states itself; "
                    "omit the flag")
     cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
     if cache_dtype not in ("auto", "bfloat16", "float16"):
-        out.append(f"--kv-cache-dtype {cache_dtype}: PCP x DCP runs unquantized KV caches")
+        out.append(f"--kv-cache-dtype {cache_dtype}: vllm-pcp's DCP runs unquantized KV "
+                   "caches")
     return out
 
 
 def _refusals(vllm_config) -> list[str]:
     parallel = vllm_config.parallel_config
     model = vllm_config.model_config
+    cp = "-pcp" if parallel.prefill_context_parallel_size > 1 else "-dcp"
     out = []
     if parallel.data_parallel_size > 1:
         out.append("--data-parallel-size > 1: run one PCP engine per replica "
@@ -103,14 +105,15 @@ def _refusals(vllm_config) -> list[str]:
         out.append("--pipeline-parallel-size > 1: use -tp with -pcp instead")
     if vllm_config.speculative_config is not None:
         out.append("--speculative-config: speculative decoding is not supported "
-                   "with PCP; drop it or drop -pcp")
+                   f"with PCP; drop it or drop {cp}")
     if vllm_config.lora_config is not None:
-        out.append("--enable-lora: LoRA is not supported with PCP; drop it or drop -pcp")
+        out.append(f"--enable-lora: LoRA is not supported with PCP; drop it or drop {cp}")
     if getattr(model, "is_multimodal_model", False):
         out.append(f"multimodal model {model.model!r}: PCP serves text-only "
-                   "models; drop -pcp")
+                   f"models; drop {cp}")
     if getattr(model, "enable_prompt_embeds", False):
-        out.append("--enable-prompt-embeds is not supported with PCP; drop it or drop -pcp")
+        out.append(f"--enable-prompt-embeds is not supported with PCP; drop it or drop "
+                   f"{cp}")
     backend = _attention_backend_name(vllm_config)
     if backend not in (None, "FLASHINFER"):
         out.append(f"--attention-backend {backend}: PCP for GQA models runs on "
@@ -119,44 +122,48 @@ def _refusals(vllm_config) -> list[str]:
 
 
 def stock_flashinfer_dcp_error(dcp: int) -> PCPConfigError:
-    """The refusal of vLLM's own FlashInfer DCP (PCP = 1, DCP = ``dcp``)."""
+    """The refusal of vLLM's own FlashInfer DCP (PCP = 1, DCP = ``dcp``, FlashInfer
+    chosen by vLLM rather than named, so the plugin's worker is not in place)."""
     return PCPConfigError(
-        f"vllm-pcp: --decode-context-parallel-size {dcp} at PCP = 1 on FLASHINFER runs vLLM "
-        "0.26.0's own FlashInfer DCP, whose tokens differ from one GPU's (measured on 2 x H200: "
-        "from the first generated token); pass --attention-backend FLASH_ATTN, or use "
-        f"-pcp {dcp} -dcp {dcp}, whose DCP is vllm-pcp's")
+        f"vllm-pcp: --decode-context-parallel-size {dcp} on a FLASHINFER backend vLLM chose "
+        "itself would run vLLM 0.26.0's own FlashInfer DCP, whose tokens differ from one "
+        "GPU's (measured on 2 x H200: from the first generated token); pass "
+        "--attention-backend FLASHINFER to run vllm-pcp's DCP instead, or "
+        "--attention-backend FLASH_ATTN for vLLM's")
 
 
-def refuse_stock_flashinfer_dcp(vllm_config) -> None:
-    """PCP = 1, DCP > 1, FlashInfer named on the command line, a non-MLA model:
-    vLLM 0.26.0's FlashInfer DCP gives wrong tokens; refuse it at start-up.
-    (When FlashInfer is chosen automatically, the builder refuses it instead.)"""
+def _takes_over(vllm_config) -> bool:
+    """PCP > 1 on a non-MLA model; or DCP inside TP (PCP = 1) with FLASHINFER named:
+    vLLM 0.26.0's own FlashInfer DCP gives wrong tokens, the plugin's replaces it."""
     parallel, model = vllm_config.parallel_config, vllm_config.model_config
-    dcp = parallel.decode_context_parallel_size
-    if parallel.prefill_context_parallel_size > 1 or dcp <= 1 or model is None or \
-            model.use_mla or _attention_backend_name(vllm_config) != "FLASHINFER":
-        return
-    raise stock_flashinfer_dcp_error(dcp)
+    if model is None or model.use_mla:
+        return False
+    if parallel.prefill_context_parallel_size > 1:
+        return True
+    return (parallel.decode_context_parallel_size > 1
+            and _attention_backend_name(vllm_config) == "FLASHINFER")
 
 
 def prepare_pcp_config(vllm_config) -> bool:
-    """Validate a PCP > 1 config for a non-MLA model and select the PCP worker.
+    """Validate a PCP > 1 config (or DCP inside TP on FlashInfer) for a non-MLA model
+    and select the PCP worker.
 
     Returns True when the plugin takes the config over, False when it leaves
-    it to vLLM (PCP = 1, MLA models, no model). Raises :class:`PCPConfigError`
-    listing every refused flag.
+    it to vLLM (PCP = 1 without FlashInfer DCP, MLA models, no model). Raises
+    :class:`PCPConfigError` listing every refused flag.
     """
     parallel = vllm_config.parallel_config
-    model = vllm_config.model_config
-    refuse_stock_flashinfer_dcp(vllm_config)
-    if parallel.prefill_context_parallel_size <= 1 or model is None or model.use_mla:
+    if not _takes_over(vllm_config):
         return False
     knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
     refused = _refusals(vllm_config) + _dcp_refusals(vllm_config)
     if refused:
-        raise PCPConfigError(
-            "vllm-pcp cannot run --prefill-context-parallel-size "
-            f"{parallel.prefill_context_parallel_size} with:\n  - " + "\n  - ".join(refused))
+        pcp, dcp = (parallel.prefill_context_parallel_size,
+                    parallel.decode_context_parallel_size)
+        layout = (f"--prefill-context-parallel-size {pcp}" if pcp > 1 else
+                  f"--decode-context-parallel-size {dcp} (DCP inside TP)")
+        raise PCPConfigError(f"vllm-pcp cannot run {layout} with:\n  - "
+                             + "\n  - ".join(refused))
     if parallel.worker_cls not in STOCK_WORKER_CLS and parallel.worker_cls != WORKER_CLS:
         raise PCPConfigError(
             f"--worker-cls {parallel.worker_cls}: PCP needs the plugin's worker "

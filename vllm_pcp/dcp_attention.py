@@ -119,6 +119,7 @@ class DCPAttention:
             return None if x is None else x.to(dev, non_blocking=True)
 
         self.new_kv_index = to_dev(plan.new_kv_token_index)
+        self.local_index = to_dev(plan.pcp.local_token_indices)
         self._new.plan(plan.pcp.query_start_loc, plan.new_kv_indptr, hq, hkv, dim,
                        causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype,
                        kv_data_type=self.dtype, o_data_type=self.dtype)
@@ -214,6 +215,26 @@ class DCPAttention:
             out[rep_index], lse[rep_index] = self._merge_state(
                 ctx_o, ctx_s, out[rep_index], lse[rep_index])
         return out
+
+    def run_heads_gathered(self, group, q: torch.Tensor, k_step: torch.Tensor,
+                           v_step: torch.Tensor, kv_cache) -> torch.Tensor:
+        """DCP inside TP (PCP = 1): every rank runs every token of the step with its own
+        query heads, and the DCP ranks share their K/V heads.
+
+        ``q [T, Hq / N, D]`` this rank's heads, step order; ``k_step/v_step [T, Hkv, D]``
+        the step's K/V, the same on every rank. The heads are all-gathered, the step
+        runs planned as all-replicated rows (``num_qo_heads``: the group's heads), and
+        this rank's heads of the (identical) result come back: ``[T, Hq / N, D]``.
+        """
+        heads, rank = q.shape[1], group.rank_in_group
+        q_all = group.all_gather(q.contiguous(), dim=1)
+        if self.plan_.decode is not None:
+            out = self._run_decode(group, q_all, kv_cache)
+        else:  # local rows are the step's tokens, decodes first
+            local = self.local_index
+            out = torch.empty_like(q_all)
+            out[local] = self.run(group, q_all.index_select(0, local), k_step, v_step, kv_cache)
+        return out[:, rank * heads:(rank + 1) * heads]
 
     def _run_decode(self, group, q: torch.Tensor, kv_cache) -> torch.Tensor:
         """Every rank's shard partial of ``q [B, Hq, D]``, packed with its LSE into

@@ -34,9 +34,15 @@ its attention is the plugin's, and it replays a full CUDA graph
 decode batch planned the same way, and each step plans its real batch into the
 graph's fixed buffers (vLLM pads it to the captured size). Every other DCP
 step runs eagerly.
+
+At PCP = 1 with ``-tp N -dcp N`` on FLASHINFER (vLLM 0.26.0's own FlashInfer DCP
+is wrong) the runner plans over vLLM's DCP group inside TP and splits nothing:
+every rank runs every token with its own query heads, the stock forward writes
+the tokens each rank owns, and the attention all-gathers the query heads.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,18 +85,22 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_dcp = self._check_dcp(vllm_config)
         self._pcp_plan: PrefillContextParallelMetadata | DCPAttentionPlan | None = None
         self._pcp_step: _PCPStep | None = None
+        self._dcp_eager = False  # a DCP step that must not replay a CUDA graph
         logger.info("PCP model runner: rank %d of %d, prefills of >= %d tokens are split, "
                     "KV cache %s", self.pcp_rank, self.pcp_world_size,
                     self.pcp_min_split_tokens,
                     "sharded (DCP)" if self.pcp_dcp else "whole on every rank")
 
     def _check_dcp(self, vllm_config) -> bool:
-        """True when the KV cache is sharded over the PCP ranks (DCP == PCP)."""
+        """True when the KV cache is sharded: over the PCP ranks (DCP == PCP), or at
+        PCP = 1 over vLLM's DCP group inside TP (query heads gathered)."""
         dcp = vllm_config.parallel_config.decode_context_parallel_size
         if dcp == 1:
             return False
-        if get_dcp_group().ranks != self.pcp_group.ranks:
-            raise RuntimeError(f"DCP group {get_dcp_group().ranks} differs from PCP group "
+        self.dcp_group = get_dcp_group()
+        self.dcp_heads_gathered = self.pcp_world_size == 1
+        if not self.dcp_heads_gathered and self.dcp_group.ranks != self.pcp_group.ranks:
+            raise RuntimeError(f"DCP group {self.dcp_group.ranks} differs from PCP group "
                                f"{self.pcp_group.ranks}: this layout is not supported")
         self.cp_kv_cache_interleave_size = (
             vllm_config.parallel_config.cp_kv_cache_interleave_size)
@@ -105,10 +115,9 @@ class PCPModelRunner(GPUModelRunner):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         num_reqs = self.input_batch.num_reqs
         if self.pcp_dcp:  # a sharded cache needs the plugin's attention every step
-            self._pcp_plan = build_dcp_plan(
+            self._pcp_plan = self._plan_dcp_step(
                 self.input_batch.num_computed_tokens_cpu[:num_reqs],
-                num_scheduled_tokens[:num_reqs], self.pcp_world_size, self.pcp_rank,
-                self.cp_kv_cache_interleave_size, min_split_tokens=self.pcp_min_split_tokens)
+                num_scheduled_tokens[:num_reqs])
             return result
         if int(num_scheduled_tokens[:num_reqs].max()) < self.pcp_min_split_tokens:
             self._pcp_plan = None  # nothing to split: decodes and short prefills only
@@ -123,9 +132,18 @@ class PCPModelRunner(GPUModelRunner):
         )
         return result
 
+    def _plan_dcp_step(self, num_computed_tokens, num_scheduled_tokens) -> DCPAttentionPlan:
+        """The step's plan over the DCP group; at PCP = 1 no prefill is split (every
+        rank runs every token, with its own query heads)."""
+        return build_dcp_plan(
+            num_computed_tokens, num_scheduled_tokens, self.dcp_group.world_size,
+            self.dcp_group.rank_in_group, self.cp_kv_cache_interleave_size,
+            min_split_tokens=sys.maxsize if self.dcp_heads_gathered else
+            self.pcp_min_split_tokens)
+
     def _build_attention_metadata(self, *args, **kwargs):
         plan, self._pcp_plan = self._pcp_plan, None
-        self._pcp_step = None
+        self._pcp_step, self._dcp_eager = None, False
         if self.pcp_dcp and kwargs.get("for_cudagraph_capture"):
             return self._build_dcp_capture_metadata(kwargs["num_reqs"]), None
         if plan is None or kwargs.get("for_cudagraph_capture") or kwargs.get("ubatch_slices"):
@@ -133,6 +151,9 @@ class PCPModelRunner(GPUModelRunner):
         if isinstance(plan, DCPAttentionPlan):
             if plan.decode is not None:  # num_reqs_padded: vLLM replays a full graph
                 return self._build_dcp_decode_metadata(plan, kwargs.get("num_reqs_padded")), None
+            if self.dcp_heads_gathered:  # stock forward, never a graph replay
+                self._dcp_eager = True
+                return self._build_dcp_decode_metadata(plan), None
             return self._build_dcp_attention_metadata(plan, kwargs["slot_mappings"]), None
         if not plan.is_split:
             return super()._build_attention_metadata(*args, **kwargs)
@@ -154,7 +175,7 @@ class PCPModelRunner(GPUModelRunner):
                 builder = self._pcp_builder(attn_group)
                 exchange = PCPKVExchange(self.pcp_group, pcp.num_padded_tokens_per_rank,
                                          restore_indices=restore)
-                metadata = builder.build_dcp(plan, table, self.pcp_group, exchange)
+                metadata = builder.build_dcp(plan, table, self.dcp_group, exchange)
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata
                     slot_by_layer[name] = slots_gathered
@@ -164,16 +185,17 @@ class PCPModelRunner(GPUModelRunner):
 
     def _build_dcp_decode_metadata(self, plan: DCPAttentionPlan,
                                    graph_rows: int | None = None) -> dict:
-        """A pure decode step: every rank runs every token, writes the tokens it owns
-        with vLLM's slot mapping, and needs no ``_PCPStep`` (nothing to restore).
-        ``graph_rows``: the batch size of the full CUDA graph the step replays."""
+        """A step where every rank runs every token (a pure decode step; any step at
+        PCP = 1): each writes the tokens it owns with vLLM's slot mapping, and needs
+        no ``_PCPStep`` (nothing to restore). ``graph_rows``: the batch size of the
+        full CUDA graph the step replays."""
         attn_metadata = {}
-        num_rows = graph_rows or len(plan.decode.req)
+        num_rows = graph_rows or self.input_batch.num_reqs
         for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
             table = self.input_batch.block_table[gid].get_device_tensor(num_rows)
             for attn_group in self.attn_groups[gid]:
                 metadata = self._pcp_builder(attn_group).build_dcp(
-                    plan, table, self.pcp_group, None, graph_rows)
+                    plan, table, self.dcp_group, None, graph_rows)
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata
         return attn_metadata
@@ -189,12 +211,9 @@ class PCPModelRunner(GPUModelRunner):
         if not len(seq_lens):
             raise RuntimeError(f"CUDA graph capture of {num_reqs} decode rows without "
                                "sequences; run with --enforce-eager")
-        seq_lens = np.maximum(seq_lens, min_folded_seq_len(self.pcp_world_size,
+        seq_lens = np.maximum(seq_lens, min_folded_seq_len(self.dcp_group.world_size,
                                                            self.cp_kv_cache_interleave_size))
-        plan = build_dcp_plan(seq_lens - 1, np.ones(len(seq_lens), dtype=np.int64),
-                              self.pcp_world_size, self.pcp_rank,
-                              self.cp_kv_cache_interleave_size,
-                              min_split_tokens=self.pcp_min_split_tokens)
+        plan = self._plan_dcp_step(seq_lens - 1, np.ones(len(seq_lens), dtype=np.int64))
         return self._build_dcp_decode_metadata(plan, num_reqs)
 
     @staticmethod
@@ -253,6 +272,10 @@ class PCPModelRunner(GPUModelRunner):
                        inputs_embeds=None, **model_kwargs):
         step, self._pcp_step = self._pcp_step, None
         if step is None:
+            if self._dcp_eager:  # a uniform decode batch vLLM padded for a graph
+                self._dcp_eager = False
+                ctx = get_forward_context()
+                ctx.cudagraph_runtime_mode, ctx.batch_descriptor = CUDAGraphMode.NONE, None
             return super()._model_forward(input_ids, positions, intermediate_tensors,
                                           inputs_embeds, **model_kwargs)
         if inputs_embeds is not None or intermediate_tensors is not None:

@@ -163,3 +163,19 @@ def test_folded_decode_replays_as_a_cuda_graph():
     torch.cuda.synchronize()
     torch.testing.assert_close(out[:3].float(), expect.float(), **TOL)
     assert not torch.equal(out[:3], torch.zeros_like(out[:3]))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("computed,scheduled,graph_rows", [
+    (None, None, None), ([40, 300, 77], [1, 1, 1], None), ([40, 300, 77], [1, 1, 1], 4)])
+def test_dcp_inside_tp_on_flashinfer(world, computed, scheduled, graph_rows):
+    """-tp N -dcp N: each rank's query heads, gathered over the DCP group, against one
+    kv head (the 1-kv-head model under TP); each rank's heads equal the reference."""
+    from dcp_harness import COMPUTED, SCHEDULED, run_dcp_step
+
+    computed, scheduled = (computed, scheduled) if computed else (COMPUTED, SCHEDULED)
+    outs, expect = run_dcp_step(world, 8, 2, "cuda", torch.bfloat16, hq=8, hkv=1, dim=128,
+                                computed=computed, scheduled=scheduled, kv_layout="HND",
+                                graph_rows=graph_rows, heads_gathered=True)
+    out = torch.cat(outs, dim=1)[: len(expect)]
+    torch.testing.assert_close(out.float(), expect, **TOL)
