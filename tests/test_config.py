@@ -83,18 +83,13 @@ def test_knobs():
             PCPKnobs.from_additional_config({"pcp_min_split_tokens": bad})
 
 
-def test_the_default_split_threshold_never_exceeds_the_token_budget():
+def test_the_default_split_threshold():
     from vllm_pcp.config import DEFAULT_MIN_SPLIT_TOKENS, min_split_tokens
 
-    default = PCPKnobs()
-    assert min_split_tokens(default, 131072, 2) == DEFAULT_MIN_SPLIT_TOKENS == 8192
-    # vllm serve's budget on smaller GPUs: every full chunk of a long prompt is split
-    assert min_split_tokens(default, 2048, 2) == 2048
-    assert min_split_tokens(default, None, 2) == 8192
+    assert min_split_tokens(PCPKnobs(), 2) == DEFAULT_MIN_SPLIT_TOKENS == 8192
     # a knob is taken as given, but never below 2N (every rank gets tokens)
-    assert min_split_tokens(PCPKnobs(min_split_tokens=16384), 2048, 2) == 16384
-    assert min_split_tokens(PCPKnobs(min_split_tokens=0), 8192, 4) == 8
-    assert min_split_tokens(default, 4, 4) == 8
+    assert min_split_tokens(PCPKnobs(min_split_tokens=16384), 2) == 16384
+    assert min_split_tokens(PCPKnobs(min_split_tokens=0), 4) == 8
 
 
 @pytest.mark.parametrize("asked,taken", [
@@ -170,15 +165,3 @@ def test_the_builder_refuses_an_automatic_flashinfer_dcp_at_pcp1(monkeypatch):
     monkeypatch.setattr(FlashInferMetadataBuilder, "__init__", lambda *a: None)
     cfg.parallel_config.worker_cls = WORKER_CLS
     PCPFlashInferMetadataBuilder(None, [], cfg, "cpu")
-
-
-def test_a_split_threshold_above_the_token_budget_is_warned_about():
-    from vllm_pcp.config import _warnings
-
-    cfg = _config()
-    cfg.scheduler_config = SimpleNamespace(max_num_batched_tokens=2048)
-    assert _warnings(cfg, PCPKnobs(min_split_tokens=2048)) == []
-    (msg,) = _warnings(cfg, PCPKnobs(min_split_tokens=8192))
-    assert "pcp_min_split_tokens 8192" in msg and "--max-num-batched-tokens 2048" in msg
-    assert _warnings(cfg, PCPKnobs()) == []  # the default caps itself at the budget
-    assert prepare_pcp_config(cfg)  # accepted, with the warning logged

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_pcp.partition import build_pcp_metadata
+from vllm_pcp.partition import build_pcp_metadata, split_requests
 
 
 def _random_batch(rng, max_len=5000, max_reqs=6):
@@ -35,10 +35,15 @@ BATCHES = [(seed, world) for seed in range(40) for world in (2, 3, 4, 8)]
 
 
 @pytest.mark.parametrize("seed,world", BATCHES)
-def test_every_token_owned_once_and_restored(seed, world):
+@pytest.mark.parametrize("by_prompt", [False, True])
+def test_every_token_owned_once_and_restored(seed, world, by_prompt):
     rng = np.random.default_rng(seed)
     computed, scheduled = _random_batch(rng)
-    metas = _all_ranks(computed, scheduled, world)
+    kw = {}
+    if by_prompt:  # prompts longer than this step's part: some split, some replicated
+        kw = dict(min_split_tokens=3000, prefill_lens=np.add(computed, scheduled)
+                  + rng.integers(0, 3000, len(scheduled)))
+    metas = _all_ranks(computed, scheduled, world, **kw)
     num_tokens = sum(scheduled)
     padded = metas[0].num_padded_tokens_per_rank
     for m in metas:  # every collective size is the same on every rank
@@ -133,6 +138,19 @@ def test_decodes_and_short_prefills_are_replicated():
     # Rank 0's copy is the kept one.
     assert metas[0].restore_indices.tolist() == list(range(7))
     assert (metas[0].gathered_token_indices[7:] == -1).all()
+
+
+def test_the_prompt_length_decides_what_is_split():
+    # decode of a long prompt, a 40-token chunk of one, a short prompt, a 1-token chunk
+    scheduled, prompts = [1, 40, 4000, 1], [20000, 20000, 4000, 9000]
+    assert split_requests(scheduled, 8192, prompts).tolist() == [False, True, False, False]
+    # without prompt lengths the step's tokens decide; below 2 acts as 2
+    assert split_requests(scheduled, 8192).tolist() == [False, False, False, False]
+    assert split_requests([1, 2, 3], 0).tolist() == [False, True, True]
+    metas = _all_ranks([0, 8000], [4000, 40], 2, min_split_tokens=8192,
+                       prefill_lens=[4000, 20000])
+    assert [m.num_split_requests for m in metas] == [1, 1]
+    assert metas[0].num_local_tokens == metas[1].num_local_tokens == 4000 + 20
 
 
 def test_chunked_continuation_keeps_kv_offsets():

@@ -21,6 +21,7 @@ from vllm_pcp.runner import PCPModelRunner
 
 COMPUTED = [30, 0, 0, 12]
 SCHEDULED = [1, 37, 2, 9]  # decode, long prompt, short prompt, continuation
+PROMPTS = [30, 37, 2, 21]
 BLOCKS = torch.arange(4 * 6, dtype=torch.int32).reshape(4, 6) + 100
 
 
@@ -50,7 +51,8 @@ def _make_runner(group, rank):
     r._dcp_eager = False
     table = SimpleNamespace(get_device_tensor=lambda n: BLOCKS[:n])
     r.input_batch = SimpleNamespace(num_reqs=len(SCHEDULED), block_table=[table],
-                                    num_computed_tokens_cpu=np.array(COMPUTED, np.int32))
+                                    num_computed_tokens_cpu=np.array(COMPUTED, np.int32),
+                                    num_prompt_tokens=np.array(PROMPTS, np.int32))
     r.kv_cache_config = SimpleNamespace(kv_cache_groups=[object()])
     builder = object.__new__(_RecordingBuilder)
     r.attn_groups = [[SimpleNamespace(layer_names=["l0", "l1"],
@@ -209,9 +211,33 @@ def test_current_exchange_reads_the_layers_metadata(monkeypatch):
 
 def test_prepare_inputs_skips_planning_without_a_split(monkeypatch):
     runner = _make_runner(ThreadGroup(2), 0)
+    runner.input_batch.num_computed_tokens_cpu = np.array([30, 0, 0, 0], np.int32)
+    runner.input_batch.num_prompt_tokens = np.array([30, 3, 1, 2], np.int32)
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
-    runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))  # all below 2N = 4
+    runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))  # prompts below 2N = 4
     assert runner._pcp_plan is None
+    # a preempted request recomputing prompt and output: its prefill is the whole length
+    runner.input_batch.num_computed_tokens_cpu = np.array([30, 0, 0, 12], np.int32)
+    runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))
+    assert runner._pcp_plan.num_split_requests == 1
+
+
+def test_every_chunk_of_a_long_prompt_is_split(monkeypatch):
+    """A 40-token chunk of a 20,000-token prompt (vLLM's token budget minus the
+    decodes running beside it) is split at the default threshold of 8192: the
+    prompt's length decides, not the chunk's."""
+    runner = _make_runner(ThreadGroup(2), 1)
+    runner.pcp_min_split_tokens = 8192
+    runner.input_batch.num_computed_tokens_cpu = np.array([30, 8000, 0, 12], np.int32)
+    runner.input_batch.num_prompt_tokens = np.array([30, 20000, 4000, 21], np.int32)
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
+    runner._prepare_inputs(None, np.array([1, 40, 4000, 9], np.int32))
+    plan = runner._pcp_plan
+    assert plan.num_split_requests == 1 and plan.is_split  # the 4000-token prompt: whole
+    expect = build_pcp_metadata([30, 8000, 0, 12], [1, 40, 4000, 9], 2, 1,
+                                min_split_tokens=8192,
+                                prefill_lens=[30, 20000, 4000, 21])
+    assert torch.equal(plan.local_token_indices, expect.local_token_indices)
 
 
 def test_dcp_steps_plan_every_step_with_the_sharded_layout(monkeypatch):
@@ -253,6 +279,8 @@ def _dcp_decode_runner(monkeypatch, computed):
     runner = _make_runner(ThreadGroup(2), 1)
     runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
     runner.input_batch.num_computed_tokens_cpu = np.array(computed, np.int32)
+    runner.input_batch.num_prompt_tokens = np.array(computed, np.int32)
+    runner.input_batch.num_reqs = len(computed)
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.ones(len(computed), np.int32))
     return runner
@@ -425,6 +453,8 @@ def _tp_dcp_runner(monkeypatch, computed, scheduled):
     runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
     runner.dcp_group, runner.dcp_heads_gathered = group.rank(1), True
     runner.input_batch.num_computed_tokens_cpu = np.array(computed, np.int32)
+    runner.input_batch.num_prompt_tokens = np.array(computed, np.int32) + 1
+    runner.input_batch.num_reqs = len(computed)
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.array(scheduled, np.int32))
     return runner

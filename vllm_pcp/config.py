@@ -22,10 +22,9 @@ class PCPConfigError(ValueError):
 class PCPKnobs:
     """Plugin knobs, read from ``--additional-config``.
 
-    min_split_tokens : prefills with fewer scheduled tokens in a step are
-        computed whole on every rank instead of being split (``pcp_min_split_tokens``).
-        None (the default): :data:`DEFAULT_MIN_SPLIT_TOKENS`, capped at
-        ``--max-num-batched-tokens`` (see :func:`min_split_tokens`).
+    min_split_tokens : prompts shorter than this are computed whole on every rank;
+        every chunk of a longer one is split (``pcp_min_split_tokens``). None (the
+        default): :data:`DEFAULT_MIN_SPLIT_TOKENS` (see :func:`min_split_tokens`).
     """
 
     min_split_tokens: int | None = None
@@ -54,18 +53,15 @@ _KNOBS = ("pcp_min_split_tokens",)
 DEFAULT_MIN_SPLIT_TOKENS = 8192
 
 
-def min_split_tokens(knobs: PCPKnobs, max_num_batched_tokens: int | None,
-                     pcp_world_size: int) -> int:
-    """Scheduled tokens from which a prefill is split across the PCP ranks.
+def min_split_tokens(knobs: PCPKnobs, pcp_world_size: int) -> int:
+    """Prompt length from which a prefill is split across the PCP ranks, every chunk
+    of it (:func:`vllm_pcp.partition.split_requests`).
 
-    The knob if set; else :data:`DEFAULT_MIN_SPLIT_TOKENS`, capped at the step's
-    token budget so that a full chunk of a long prompt is always split. Never below
+    The knob if set, else :data:`DEFAULT_MIN_SPLIT_TOKENS`. Never below
     ``2 * pcp_world_size``: every rank must get tokens of a split prefill.
     """
-    value = knobs.min_split_tokens
-    if value is None:
-        value = min(DEFAULT_MIN_SPLIT_TOKENS,
-                    max_num_batched_tokens or DEFAULT_MIN_SPLIT_TOKENS)
+    value = DEFAULT_MIN_SPLIT_TOKENS if knobs.min_split_tokens is None else \
+        knobs.min_split_tokens
     return max(value, 2 * pcp_world_size)
 
 
@@ -155,7 +151,7 @@ def prepare_pcp_config(vllm_config) -> bool:
     parallel = vllm_config.parallel_config
     if not _takes_over(vllm_config):
         return False
-    knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
+    PCPKnobs.from_additional_config(vllm_config.additional_config)  # refuses bad knobs
     refused = _refusals(vllm_config) + _dcp_refusals(vllm_config)
     if refused:
         pcp, dcp = (parallel.prefill_context_parallel_size,
@@ -171,20 +167,7 @@ def prepare_pcp_config(vllm_config) -> bool:
     parallel.worker_cls = WORKER_CLS
     if parallel.decode_context_parallel_size > 1:
         _decode_cuda_graphs_only(vllm_config)
-    for warning in _warnings(vllm_config, knobs):
-        _logger().warning("%s", warning)
     return True
-
-
-def _warnings(vllm_config, knobs: PCPKnobs) -> list[str]:
-    """Accepted but probably unintended: a split threshold no step can reach."""
-    budget = getattr(getattr(vllm_config, "scheduler_config", None),
-                     "max_num_batched_tokens", None)
-    if budget and knobs.min_split_tokens is not None and knobs.min_split_tokens > budget:
-        return [f"pcp_min_split_tokens {knobs.min_split_tokens} exceeds "
-                f"--max-num-batched-tokens {budget}: no prefill will be split across the "
-                "PCP ranks; lower the knob or raise the token budget"]
-    return []
 
 
 def _logger():

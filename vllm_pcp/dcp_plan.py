@@ -37,7 +37,7 @@ import torch
 
 from vllm_pcp.kv_shard import dcp_local_seq_len
 from vllm_pcp.partition import (PrefillContextParallelMetadata, _expand_ranges,
-                                build_pcp_metadata_all_ranks)
+                                build_pcp_metadata_all_ranks, split_requests)
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,7 @@ def build_dcp_plan(
     *,
     min_split_tokens: int = 2,
     decode_threshold: int = 1,
+    prefill_lens: Sequence[int] | None = None,
 ) -> DCPAttentionPlan:
     """Plan one step for ``rank`` of a group that is both the PCP and the DCP group."""
     computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
@@ -157,10 +158,11 @@ def build_dcp_plan(
             ctx_replicated=None, decode=_decode_rows(computed, rank, world_size, interleave))
     metas = build_pcp_metadata_all_ranks(computed, scheduled, world_size,
                                          min_split_tokens=min_split_tokens,
+                                         prefill_lens=prefill_lens,
                                          decode_threshold=decode_threshold)
     mine, padded = metas[rank], metas[0].num_padded_tokens_per_rank
     token_start = np.cumsum(scheduled) - scheduled
-    split = scheduled >= max(2, min_split_tokens)
+    split = split_requests(scheduled, min_split_tokens, prefill_lens)
 
     local_kv = dcp_local_seq_len(torch.from_numpy(computed), rank, world_size,
                                  interleave).numpy()

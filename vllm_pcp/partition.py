@@ -14,8 +14,9 @@ causal triangle::
     rank 1  (head c1, tail c2)       ###  ###          2 + 3 = 5
 
 Rows that are not split -- decodes, and prefills shorter than
-``min_split_tokens`` -- are replicated: every rank computes them and rank 0's
-copy is the one that is kept (restored for sampling, written to the KV cache).
+``min_split_tokens`` (see :func:`split_requests`) -- are replicated: every rank
+computes them and rank 0's copy is the one that is kept (restored for sampling,
+written to the KV cache).
 
 Each local chunk is a *row* of its own: it attends to the first
 ``seq_lens[row]`` tokens of its request, of which its own ``q_len`` tokens are
@@ -165,6 +166,22 @@ def _plan_rank_rows(
     return _Rows(req[order], start[order], q_len[order], seq_len[order])
 
 
+def split_requests(num_scheduled_tokens: Sequence[int], min_split_tokens: int,
+                   prefill_lens: Sequence[int] | None = None) -> np.ndarray:
+    """Which requests of a step are split: at least 2 tokens scheduled, and a prefill
+    of at least ``min_split_tokens`` tokens (values below 2 act as 2).
+
+    ``prefill_lens``: each request's whole prefill (its prompt; more when a
+    preempted request recomputes its output too). Given, every chunk of a long
+    prompt is split, however few tokens the scheduler gave it in this step;
+    without it, this step's tokens decide.
+    """
+    scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
+    length = scheduled if prefill_lens is None else \
+        np.asarray(prefill_lens, dtype=np.int64).reshape(-1)
+    return (scheduled >= 2) & (length >= max(2, min_split_tokens))
+
+
 def build_pcp_metadata(
     num_computed_tokens: Sequence[int],
     num_scheduled_tokens: Sequence[int],
@@ -173,6 +190,7 @@ def build_pcp_metadata(
     *,
     min_split_tokens: int = 2,
     decode_threshold: int = 1,
+    prefill_lens: Sequence[int] | None = None,
 ) -> PrefillContextParallelMetadata:
     """Plan one step for ``pcp_rank``.
 
@@ -184,16 +202,19 @@ def build_pcp_metadata(
     pcp_world_size, pcp_rank : int
         ``N`` and this rank's index in the PCP group.
     min_split_tokens : int
-        Requests with fewer scheduled tokens are replicated, not split.
-        Values below 2 act as 2 (a single token cannot be split).
+        Requests with a shorter prefill (``prefill_lens``, else this step's
+        scheduled tokens) are replicated, not split: :func:`split_requests`.
     decode_threshold : int
         Rows with at most this many query tokens are ordered first.
+    prefill_lens : sequence of int, optional
+        Per request, its whole prefill length (the prompt's).
     """
     if not 0 <= pcp_rank < pcp_world_size:
         raise ValueError(f"pcp_rank {pcp_rank} outside [0, {pcp_world_size})")
     return build_pcp_metadata_all_ranks(
         num_computed_tokens, num_scheduled_tokens, pcp_world_size,
-        min_split_tokens=min_split_tokens, decode_threshold=decode_threshold)[pcp_rank]
+        min_split_tokens=min_split_tokens, decode_threshold=decode_threshold,
+        prefill_lens=prefill_lens)[pcp_rank]
 
 
 def build_pcp_metadata_all_ranks(
@@ -203,6 +224,7 @@ def build_pcp_metadata_all_ranks(
     *,
     min_split_tokens: int = 2,
     decode_threshold: int = 1,
+    prefill_lens: Sequence[int] | None = None,
 ) -> list[PrefillContextParallelMetadata]:
     """:func:`build_pcp_metadata` for every rank at once (one plan, N views)."""
     computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
@@ -210,7 +232,7 @@ def build_pcp_metadata_all_ranks(
     if computed.shape != scheduled.shape or (scheduled < 0).any() or (computed < 0).any():
         raise ValueError("need one non-negative computed and scheduled count per request")
     token_start = np.cumsum(scheduled) - scheduled
-    split = scheduled >= max(2, min_split_tokens)
+    split = split_requests(scheduled, min_split_tokens, prefill_lens)
     rows = [
         _plan_rank_rows(computed, scheduled, token_start, split, pcp_world_size, r,
                         decode_threshold)

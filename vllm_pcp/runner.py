@@ -58,7 +58,8 @@ from vllm_pcp.backend import PCPFlashInferMetadataBuilder, PCPKVExchange
 from vllm_pcp.config import PCPKnobs, min_split_tokens
 from vllm_pcp.dcp_plan import DCPAttentionPlan, build_dcp_plan, min_folded_seq_len
 from vllm_pcp.exchange import gathered_slot_mapping, restore_hidden_states
-from vllm_pcp.partition import PrefillContextParallelMetadata, build_pcp_metadata
+from vllm_pcp.partition import (PrefillContextParallelMetadata, build_pcp_metadata,
+                                split_requests)
 
 logger = init_logger("vllm.vllm_pcp.runner")
 
@@ -80,8 +81,7 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_world_size = self.pcp_group.world_size
         self.pcp_rank = self.pcp_group.rank_in_group
         knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
-        self.pcp_min_split_tokens = min_split_tokens(
-            knobs, vllm_config.scheduler_config.max_num_batched_tokens, self.pcp_world_size)
+        self.pcp_min_split_tokens = min_split_tokens(knobs, self.pcp_world_size)
         self.pcp_dcp = self._check_dcp(vllm_config)
         self._pcp_plan: PrefillContextParallelMetadata | DCPAttentionPlan | None = None
         self._pcp_step: _PCPStep | None = None
@@ -114,32 +114,32 @@ class PCPModelRunner(GPUModelRunner):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         num_reqs = self.input_batch.num_reqs
+        computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        scheduled = num_scheduled_tokens[:num_reqs]
+        # a prompt's length decides, so that every chunk of a long one is split
+        prefill_lens = np.maximum(self.input_batch.num_prompt_tokens[:num_reqs],
+                                  computed + scheduled)
         if self.pcp_dcp:  # a sharded cache needs the plugin's attention every step
-            self._pcp_plan = self._plan_dcp_step(
-                self.input_batch.num_computed_tokens_cpu[:num_reqs],
-                num_scheduled_tokens[:num_reqs])
+            self._pcp_plan = self._plan_dcp_step(computed, scheduled, prefill_lens)
             return result
-        if int(num_scheduled_tokens[:num_reqs].max()) < self.pcp_min_split_tokens:
-            self._pcp_plan = None  # nothing to split: decodes and short prefills only
+        if not split_requests(scheduled, self.pcp_min_split_tokens, prefill_lens).any():
+            self._pcp_plan = None  # nothing to split: decodes and short prompts only
             return result
         self._pcp_plan = build_pcp_metadata(
-            self.input_batch.num_computed_tokens_cpu[:num_reqs],
-            num_scheduled_tokens[:num_reqs],
-            self.pcp_world_size,
-            self.pcp_rank,
+            computed, scheduled, self.pcp_world_size, self.pcp_rank,
             min_split_tokens=self.pcp_min_split_tokens,
-            decode_threshold=self.reorder_batch_threshold or 1,
-        )
+            decode_threshold=self.reorder_batch_threshold or 1, prefill_lens=prefill_lens)
         return result
 
-    def _plan_dcp_step(self, num_computed_tokens, num_scheduled_tokens) -> DCPAttentionPlan:
+    def _plan_dcp_step(self, num_computed_tokens, num_scheduled_tokens,
+                       prefill_lens=None) -> DCPAttentionPlan:
         """The step's plan over the DCP group; at PCP = 1 no prefill is split (every
         rank runs every token, with its own query heads)."""
         return build_dcp_plan(
             num_computed_tokens, num_scheduled_tokens, self.dcp_group.world_size,
             self.dcp_group.rank_in_group, self.cp_kv_cache_interleave_size,
             min_split_tokens=sys.maxsize if self.dcp_heads_gathered else
-            self.pcp_min_split_tokens)
+            self.pcp_min_split_tokens, prefill_lens=prefill_lens)
 
     def _build_attention_metadata(self, *args, **kwargs):
         plan, self._pcp_plan = self._pcp_plan, None
