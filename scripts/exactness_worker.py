@@ -70,6 +70,14 @@ def _knobs(args) -> dict:
     return {"pcp_min_split_tokens": 2} if args.pcp > 1 else {}
 
 
+def _compilation(args) -> dict:
+    """vLLM's all-reduce + RMSNorm fusion (torch.compile at TP > 1) failed vLLM's memory
+    profiling on the 2 x H200 host (NVLink multicast off there): off, as in the bench."""
+    if args.tp > 1 and args.cuda_graphs:
+        return {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
+    return {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -112,7 +120,7 @@ def main() -> None:
               decode_context_parallel_size=args.dcp,
               cp_kv_cache_interleave_size=args.interleave,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              additional_config=_knobs(args))
+              additional_config=_knobs(args), **_compilation(args))
     cache = llm.llm_engine.vllm_config.cache_config
     # With DCP one scheduler block spans block_size tokens on each of the DCP ranks.
     kv_capacity_tokens = cache.num_gpu_blocks * cache.block_size * args.dcp
