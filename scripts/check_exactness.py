@@ -211,10 +211,12 @@ def compare(args) -> None:
             continue
         label = f"{config} vs {BASELINE[config]}, {variant}"
         if run["returncode"] or base["returncode"]:
+            failed = run if run["returncode"] else base
             cases.append({"model": model, "config": label, "case": "engine",
                           "prompt_lens": [], "first_divergence": None,
                           "max_abs_logprob_diff": None, "passed": False,
-                          "error": (run.get("log_tail") or base.get("log_tail"))[-1500:]})
+                          "errors": failed.get("errors", []),
+                          "error": failed.get("log_tail", "")[-1500:]})
             continue
         cases += _compare_run(model, label, run, base, args.tokens)
     meta = {"git_rev": args.git_rev, "command": args.command, "gpu": host.get("gpu"),

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
+
+# "RuntimeError: ..." after any "(Worker pid=N) ERROR ... [file.py:N]" prefix
+_ERROR_LINE = re.compile(r"(?:^|\s)((?:\w+\.)*\w*(?:Error|Exception): .*)$")
 
 
 def versions() -> dict:
@@ -38,7 +42,20 @@ def run_worker(cmd: list[str], out: str, key: str, entry: dict, env: dict | None
             data = json.load(f)
         entry.update({k: data[k] for k in (key, *extra) if k in data})
     if proc.returncode:
-        entry["log_tail"] = (proc.stdout + proc.stderr)[-6000:]
+        log = proc.stdout + proc.stderr
+        entry["errors"] = error_lines(log)
+        entry["log_tail"] = log[-6000:]
     print(" ".join(str(v) for v in entry.values() if isinstance(v, (str, int, float))),
           flush=True)
     return entry
+
+
+def error_lines(log: str, limit: int = 8) -> list[str]:
+    """The distinct exception lines of a log, first seen first: the root cause a
+    worker process raised survives the long tracebacks that follow it."""
+    seen: list[str] = []
+    for line in log.splitlines():
+        match = _ERROR_LINE.search(line)
+        if match and match.group(1) not in seen:
+            seen.append(match.group(1))
+    return seen[:limit]

@@ -151,3 +151,22 @@ def test_pcp_exactness_runs_split_every_prompt():
 
     assert _knobs(SimpleNamespace(pcp=2, dcp=2)) == {"pcp_min_split_tokens": 2}
     assert _knobs(SimpleNamespace(pcp=1, dcp=1)) == {}
+
+
+def test_error_lines_keep_a_workers_root_cause_before_the_wrappers():
+    from gpu_runs import error_lines
+
+    log = "\n".join([
+        "(Worker_TP0 pid=1) ERROR 11-30 12:35:50 [multiproc_executor.py:800] RuntimeError: "
+        "vllm-pcp runs on the V1 model runner",
+        "(Worker_TP1 pid=2) ERROR 11-30 12:35:50 [multiproc_executor.py:800] RuntimeError: "
+        "vllm-pcp runs on the V1 model runner",
+        "(EngineCore pid=3) ERROR 11-30 12:35:53 [core.py:1330] Exception: WorkerProc "
+        "initialization failed",
+        "    raise e from None", "torch.OutOfMemoryError: CUDA out of memory",
+        "RuntimeError: Engine core initialization failed."])
+    assert error_lines(log) == ["RuntimeError: vllm-pcp runs on the V1 model runner",
+                                "Exception: WorkerProc initialization failed",
+                                "torch.OutOfMemoryError: CUDA out of memory",
+                                "RuntimeError: Engine core initialization failed."]
+    assert error_lines(log, limit=1) == ["RuntimeError: vllm-pcp runs on the V1 model runner"]

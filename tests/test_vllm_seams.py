@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import inspect
 
+import pytest
 import vllm
 from vllm.forward_context import ForwardContext
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -139,3 +140,82 @@ def test_model_config_wrapper_hides_dcp_only_when_it_spans_pcp():
         FakeModelConfig().verify_with_parallel_config(par)
         assert par.decode_context_parallel_size == dcp  # restored
     assert seen == [1, 2, 1, 2]
+
+
+def test_v2_model_runner_choice_has_the_0_26_shape():
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig._get_v2_model_runner_unsupported_features
+    original = getattr(original, "__wrapped__", original)
+    assert _params(original) == ["self"]
+    # the property vLLM reads in every process consults the patched method
+    assert "_get_v2_model_runner_unsupported_features()" in inspect.getsource(
+        VllmConfig.use_v2_model_runner.fget)
+
+
+def test_register_wraps_the_v2_model_runner_choice():
+    from vllm.config.vllm import VllmConfig
+
+    import vllm_pcp
+    from vllm_pcp import patch_v2_model_runner
+
+    vllm_pcp.register()
+    method = VllmConfig._get_v2_model_runner_unsupported_features
+    assert getattr(method, patch_v2_model_runner.PATCHED_ATTR, False)
+
+
+def test_v2_model_runner_is_refused_only_where_the_plugin_runs_pcp1():
+    from types import SimpleNamespace
+
+    from vllm_pcp import patch_v2_model_runner
+
+    class FakeVllmConfig:
+        def __init__(self, pcp, dcp, backend, use_mla=False):
+            self.parallel_config = SimpleNamespace(prefill_context_parallel_size=pcp,
+                                                   decode_context_parallel_size=dcp)
+            self.model_config = SimpleNamespace(use_mla=use_mla)
+            self.attention_config = SimpleNamespace(
+                backend=backend and SimpleNamespace(name=backend))
+
+        def _get_v2_model_runner_unsupported_features(self):
+            return ["stock"]
+
+    assert patch_v2_model_runner.wrap(FakeVllmConfig)
+    assert not patch_v2_model_runner.wrap(FakeVllmConfig)
+    feature = patch_v2_model_runner.FEATURE
+    cases = {(1, 2, "FLASHINFER", False): ["stock", feature],  # the plugin's DCP inside TP
+             (1, 2, None, False): ["stock"],  # vLLM's own choice: refused elsewhere
+             (1, 2, "FLASH_ATTN", False): ["stock"],
+             (1, 2, "FLASHINFER", True): ["stock"],  # MLA: vLLM's
+             (1, 1, "FLASHINFER", False): ["stock"],
+             (2, 2, "FLASHINFER", False): ["stock"]}  # PCP > 1: vLLM lists it itself
+    for args, expect in cases.items():
+        assert FakeVllmConfig(*args)._get_v2_model_runner_unsupported_features() == expect
+
+
+@pytest.mark.parametrize("tp,dcp,backend,v2", [
+    (2, 2, "FLASHINFER", False),  # the plugin's DCP inside TP runs the V1 runner subclass
+    (2, 2, None, True), (2, 1, "FLASHINFER", True), (1, 1, None, True)])
+def test_real_config_picks_v1_only_for_the_plugins_dcp(tmp_path, monkeypatch, tp, dcp,
+                                                       backend, v2):
+    """vLLM's own VllmConfig (Triton shown as present, as on a GPU host)."""
+    import vllm.config.vllm as vllm_config_module
+    from transformers import Qwen2Config
+    from vllm.config import (AttentionConfig, DeviceConfig, ModelConfig, ParallelConfig,
+                             VllmConfig)
+
+    import vllm_pcp
+
+    vllm_pcp.register()
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=1, vocab_size=256,
+                max_position_embeddings=4096).save_pretrained(tmp_path)
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True,
+                                 dtype="bfloat16"),
+        device_config=DeviceConfig(device="cuda"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp,
+                                       decode_context_parallel_size=dcp),
+        attention_config=AttentionConfig(backend=backend))
+    assert config.use_v2_model_runner == v2

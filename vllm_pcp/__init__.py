@@ -34,10 +34,11 @@ def register() -> None:
     from vllm.logger import init_logger
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from vllm_pcp import patch_model_config_dcp, patch_platform_config
+    from vllm_pcp import patch_model_config_dcp, patch_platform_config, patch_v2_model_runner
 
     register_backend(AttentionBackendEnum.FLASHINFER, "vllm_pcp.backend.PCPFlashInferBackend")
     patch_platform_config.apply()
     patch_model_config_dcp.apply()
+    patch_v2_model_runner.apply()
     init_logger("vllm.vllm_pcp").info(
         "vllm-pcp %s registered: FLASHINFER backend with PCP support", __version__)

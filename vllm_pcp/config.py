@@ -128,7 +128,7 @@ def stock_flashinfer_dcp_error(dcp: int) -> PCPConfigError:
         "--attention-backend FLASH_ATTN for vLLM's")
 
 
-def _takes_over(vllm_config) -> bool:
+def takes_over(vllm_config) -> bool:
     """PCP > 1 on a non-MLA model; or DCP inside TP (PCP = 1) with FLASHINFER named:
     vLLM 0.26.0's own FlashInfer DCP gives wrong tokens, the plugin's replaces it."""
     parallel, model = vllm_config.parallel_config, vllm_config.model_config
@@ -149,7 +149,7 @@ def prepare_pcp_config(vllm_config) -> bool:
     :class:`PCPConfigError` listing every refused flag.
     """
     parallel = vllm_config.parallel_config
-    if not _takes_over(vllm_config):
+    if not takes_over(vllm_config):
         return False
     PCPKnobs.from_additional_config(vllm_config.additional_config)  # refuses bad knobs
     refused = _refusals(vllm_config) + _dcp_refusals(vllm_config)
