@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -238,7 +239,7 @@ def compare(args) -> None:
     if args.bench_raw:
         with open(args.bench_raw) as f:
             bench_runs = json.load(f)["runs"]
-    capacity = _kv_capacity(runs, bench_runs)
+    capacity = _kv_capacity(runs, bench_runs, args.serve_logs)
     if capacity:
         result["kv_capacity"] = capacity
     with open(args.out, "w") as f:
@@ -246,16 +247,25 @@ def compare(args) -> None:
     print(json.dumps(summary))
 
 
-def _kv_capacity(runs: dict, bench_runs: list | None = None) -> dict:
-    """KV pool (tokens) of pcp2 and pcp2-dcp2: from a bench_pcp.py raw run (both
-    at its gpu_memory_utilization) if given, else from the first pair of exactness
-    runs of the same model and variant (both at the fixed pool of ``--kv-cache-gib``).
-    ``beyond_one_gpu``: each small-pool run, with its per-rank pool and longest prompt."""
+def _kv_capacity(runs: dict, bench_runs: list | None = None,
+                 serve_logs: list[str] | None = None) -> dict:
+    """KV pool (tokens) of pcp2 and pcp2-dcp2: from two ``vllm serve`` logs (vLLM's
+    own "GPU KV cache size", both at vLLM's default gpu_memory_utilization), else a
+    bench_pcp.py raw run (both at its gpu_memory_utilization), else the first pair
+    of exactness runs of the same model and variant (the fixed pool of
+    ``--kv-cache-gib``). ``beyond_one_gpu``: each small-pool run, with its per-rank
+    pool and longest prompt."""
     bench = {r["config"]: r["kv_capacity_tokens"] for r in bench_runs or []
              if "kv_capacity_tokens" in r}
     # pcp2-min8k differs from pcp2 only in which prefills it splits: the same pool
     pcp2 = next((c for c in ("pcp2", "pcp2-min8k") if c in bench), None)
-    if pcp2 and "pcp2-dcp2" in bench:
+    if serve_logs:
+        tokens = [kv_pool_in_log(path) for path in serve_logs]
+        out = {"source": "vllm serve logs (pcp2, pcp2-dcp2): vLLM's 'GPU KV cache size', "
+                         "default gpu_memory_utilization",
+               "pcp2_tokens": tokens[0], "pcp2_dcp2_tokens": tokens[1],
+               "ratio": round(tokens[1] / tokens[0], 4)}
+    elif pcp2 and "pcp2-dcp2" in bench:
         out = {"source": f"bench_pcp.py ({pcp2}, pcp2-dcp2), gpu_memory_utilization 0.85",
                "pcp2_tokens": bench[pcp2], "pcp2_dcp2_tokens": bench["pcp2-dcp2"],
                "ratio": round(bench["pcp2-dcp2"] / bench[pcp2], 4)}
@@ -270,6 +280,15 @@ def _kv_capacity(runs: dict, bench_runs: list | None = None) -> dict:
     if small:
         out["beyond_one_gpu"] = small
     return out
+
+
+def kv_pool_in_log(path: str) -> int:
+    """The KV pool in tokens that a ``vllm serve`` log reports."""
+    with open(path) as f:
+        found = re.findall(r"GPU KV cache size: ([\d,]+) tokens", f.read())
+    if not found:
+        raise ValueError(f"{path}: no 'GPU KV cache size' line")
+    return int(found[-1].replace(",", ""))
 
 
 def _fixed_pool_capacity(runs: dict) -> dict:
@@ -323,6 +342,8 @@ def main() -> None:
     c.add_argument("--date", default="", help="date of the GPU run (default: today)")
     c.add_argument("--bench-raw", default="",
                    help="bench_pcp.py raw run whose KV pools (pcp2, pcp2-dcp2) go into kv_capacity")
+    c.add_argument("--serve-logs", nargs=2, metavar=("PCP2_LOG", "PCP2_DCP2_LOG"),
+                   help="vllm serve logs whose KV pools go into kv_capacity (first choice)")
     k = sub.add_parser("collect")
     k.add_argument("--raw", required=True)
     k.add_argument("--versions", required=True, help="JSON: gpu, torch, vllm, flashinfer")

@@ -2,6 +2,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from exactness_lib import build_cases, compare_outputs  # noqa: E402
 
@@ -170,3 +172,23 @@ def test_error_lines_keep_a_workers_root_cause_before_the_wrappers():
                                 "torch.OutOfMemoryError: CUDA out of memory",
                                 "RuntimeError: Engine core initialization failed."]
     assert error_lines(log, limit=1) == ["RuntimeError: vllm-pcp runs on the V1 model runner"]
+
+
+def test_kv_capacity_from_serve_logs_comes_first(tmp_path):
+    import check_exactness as ce
+
+    logs = []
+    for name, tokens in (("pcp2", "3,492,672"), ("pcp2-dcp2", "6,938,944")):
+        path = tmp_path / f"{name}-server.log"
+        path.write_text(f"(EngineCore pid=1) INFO 11-30 [kv_cache_utils.py:2177] GPU KV cache "
+                        f"size: {tokens} tokens\nMaximum concurrency for 16,576 tokens\n")
+        logs.append(str(path))
+    bench = [{"config": "pcp2", "kv_capacity_tokens": 1},
+             {"config": "pcp2-dcp2", "kv_capacity_tokens": 2}]
+    got = ce._kv_capacity({}, bench, logs)
+    assert (got["pcp2_tokens"], got["pcp2_dcp2_tokens"], got["ratio"]) == (
+        3492672, 6938944, 1.9867)
+    assert "vllm serve" in got["source"]
+    (tmp_path / "empty.log").write_text("no pool here\n")
+    with pytest.raises(ValueError, match="GPU KV cache size"):
+        ce.kv_pool_in_log(str(tmp_path / "empty.log"))
