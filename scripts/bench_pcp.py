@@ -8,7 +8,8 @@
 One engine per configuration, each in its own process, all on the same host in
 one run. The model is the Qwen2.5-3B shape of configs/models with dummy weights
 (36 layers, 16 q / 2 kv heads, head_dim 128). TTFT is the wall time of a
-one-token generation of a fresh random prompt, prefill unchunked; ITL is
+one-token generation of a fresh random prompt, prefill unchunked (``--chunk N``: vLLM's
+chunked prefill at N tokens per step, so later chunks attend to earlier ones); ITL is
 ``(t(1 + n) - t(1)) / n`` at a 32K context, batch 1 and 8, with the prompts
 already in the prefix cache so that both timings hold the same (tiny) prefill.
 Medians of ``--repeats`` after one warm-up. ``pcp1-stock`` runs vLLM without
@@ -89,7 +90,8 @@ def measure(args) -> None:
             profiler="torch", torch_profiler_dir=os.path.abspath(args.profile_dir),
             torch_profiler_with_stack=False, torch_profiler_use_gzip=True)
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
-              dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=max_len,
+              dtype="bfloat16", max_model_len=max_len,
+              max_num_batched_tokens=args.chunk or max_len,
               max_num_seqs=max(ITL_BATCHES), enable_prefix_caching=True,
               gpu_memory_utilization=0.85, attention_backend="FLASHINFER",
               enforce_eager=args.eager, seed=0, **engine_kwargs, **extra)
@@ -156,7 +158,7 @@ def run(args) -> None:
 
     from gpu_runs import run_worker, versions
 
-    raw = {"versions": versions(), "eager": args.eager,
+    raw = {"versions": versions(), "eager": args.eager, "chunk": args.chunk,
            "parallel_one_gpu": args.parallel_one_gpu, "runs": []}
 
     def profiled(config: str) -> bool:
@@ -167,7 +169,7 @@ def run(args) -> None:
         out = f"/tmp/bench-{config}.json"
         cmd = [sys.executable, __file__, "measure", "--config", config, "--model", model,
                "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
-               "--itl-repeats", str(args.itl_repeats),
+               "--itl-repeats", str(args.itl_repeats), "--chunk", str(args.chunk),
                "--out", out] + (["--eager"] if args.eager else []) + (
                    ["--profile-len", str(args.profile_len),
                     "--profile-decode", str(args.profile_decode), "--profile-dir",
@@ -203,7 +205,8 @@ def report(args) -> None:
             part = json.load(f)
         raw = {**part, "runs": raw["runs"] + part["runs"]}
     meta = {"git_rev": args.git_rev, "command": args.command, **raw["versions"],
-            "date": datetime.date.today().isoformat(), "enforce_eager": raw["eager"]}
+            "date": datetime.date.today().isoformat(), "enforce_eager": raw["eager"],
+            **({"max_num_batched_tokens": raw["chunk"]} if raw.get("chunk") else {})}
     print(json.dumps(write_reports(raw, meta, args.out_dir), indent=1))
     if args.serve_dir:
         rows = serve_rows(glob.glob(os.path.join(args.serve_dir, "*-c*.json")))
@@ -228,6 +231,9 @@ def main() -> None:
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--itl-repeats", type=int, default=7)
     r.add_argument("--eager", action="store_true")
+    r.add_argument("--chunk", type=int, default=0,
+                   help="--max-num-batched-tokens of every engine (default: the longest "
+                        "prompt, prefill unchunked)")
     r.add_argument("--parallel-one-gpu", action="store_true",
                    help="run the one-GPU configurations at once, one per GPU")
     r.add_argument("--profile-len", type=int, default=0,
@@ -246,6 +252,7 @@ def main() -> None:
     m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--itl-repeats", type=int, default=7)
     m.add_argument("--eager", action="store_true")
+    m.add_argument("--chunk", type=int, default=0)
     m.add_argument("--profile-len", type=int, default=0)
     m.add_argument("--profile-decode", type=int, default=0)
     m.add_argument("--profile-dir", default="")

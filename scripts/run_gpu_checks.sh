@@ -35,7 +35,8 @@
 # bench: BENCH_CONFIGS, BENCH_PROMPT_LENS, BENCH_PROFILE ("--profile-decode 16": decode steps
 # instead of a 32K prefill; empty: no profile) override; BENCH_PARALLEL_ONE_GPU= (empty)
 # runs the one-GPU configurations one after the other (cleaner ITL); BENCH_EAGER= (empty)
-# runs with vLLM's CUDA graphs (default: --eager)
+# runs with vLLM's CUDA graphs (default: --eager); BENCH_CHUNK=8192 times chunked prefill at
+# that many tokens per step (default: unchunked)
 # Work files go to /tmp/gpu-checks/STAGE (GPU_CHECKS_DIR overrides /tmp/gpu-checks); OUT_DIR
 # gets them as one STAGE.tgz (the device returns few files) and a summary on stdout. scripts/check_exactness.py compare and
 # scripts/bench_pcp.py report turn the raw files into the committed result files.
@@ -84,7 +85,7 @@ case "$stage" in
       --raw "$work/raw-tp-dcp.json" > "$work/tp-dcp.log" 2>&1
     tail -n 30 "$work/tp-dcp.log" ;;
   bench)
-    python3 "$here/bench_pcp.py" run ${BENCH_EAGER---eager} \
+    python3 "$here/bench_pcp.py" run ${BENCH_EAGER---eager} ${BENCH_CHUNK:+--chunk $BENCH_CHUNK} \
       ${BENCH_PARALLEL_ONE_GPU---parallel-one-gpu} \
       --configs "${BENCH_CONFIGS:-pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2}" \
       --prompt-lens "${BENCH_PROMPT_LENS:-4096,32768,131072}" \

@@ -98,3 +98,21 @@ def test_bench_model_positions_cover_the_longest_prompt_and_its_decode(tmp_path)
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["max_position_embeddings"] >= 200000 + bench_pcp.ITL_TOKENS
     assert config["num_hidden_layers"] == 36 and config["num_key_value_heads"] == 2
+
+
+def test_report_records_the_chunk_size_of_a_chunked_run(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import bench_pcp
+
+    monkeypatch.setattr(bench_report, "plot", lambda rows, path: None)
+    raw = {**RAW, "versions": {"gpu": "g"}, "eager": False, "chunk": 8192}
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps(raw))
+    args = SimpleNamespace(raw=[str(path)], git_rev="abc", command="c",
+                           out_dir=str(tmp_path), serve_dir=None, gsm8k_dir=None)
+    bench_pcp.report(args)
+    assert json.load(open(tmp_path / "ttft.json"))["meta"]["max_num_batched_tokens"] == 8192
+    path.write_text(json.dumps({**raw, "chunk": 0}))
+    bench_pcp.report(args)
+    assert "max_num_batched_tokens" not in json.load(open(tmp_path / "ttft.json"))["meta"]
