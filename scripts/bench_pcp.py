@@ -46,6 +46,7 @@ CONFIGS = {
 }
 ONE_GPU = ("pcp1-stock", "pcp1")
 ITL_CONTEXT, ITL_TOKENS, ITL_BATCHES = 32768, 128, (1, 8)
+MIXED_TOKENS = 16  # --profile-mixed: tokens per request (the prefill runs beside decodes)
 DEFAULT_PROMPT_LENS = "4096,32768,131072"
 
 
@@ -120,7 +121,10 @@ def measure(args) -> None:
     cached_by_batch = _measure_itl(llm, prompts, args, rows, save)
     if args.profile_len or args.profile_decode:  # after the timings, every rank
         llm.start_profile()
-        if args.profile_len:  # one fresh prefill
+        if args.profile_len and args.profile_mixed:  # a fresh prefill beside 8 decodes
+            batch = max(ITL_BATCHES)
+            _timed(llm, cached_by_batch[batch] + prompts(args.profile_len, 1), MIXED_TOKENS)
+        elif args.profile_len:  # one fresh prefill
             _timed(llm, prompts(args.profile_len, 1), 1)
         else:  # decode steps of one request at the ITL context (its prefix cached)
             _timed(llm, cached_by_batch[1], 1 + args.profile_decode)
@@ -152,6 +156,17 @@ def bench_model(out_dir: str = "/tmp/bench-models/qwen2.5-3b-shape",
                       out_dir, _max_len(prompt_lens))
 
 
+def _profile_args(args, config: str) -> list[str]:
+    """The measure worker's profiler flags for ``config`` (none if it is not profiled)."""
+    if not (args.profile_len or args.profile_decode) or (
+            args.profile_configs and config not in args.profile_configs.split(",")):
+        return []
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(args.raw)), f"profile-{config}")
+    return (["--profile-len", str(args.profile_len), "--profile-decode",
+             str(args.profile_decode), "--profile-dir", out_dir]
+            + (["--profile-mixed"] if args.profile_mixed else []))
+
+
 def run(args) -> None:
     model = bench_model(prompt_lens=args.prompt_lens)
     from concurrent.futures import ThreadPoolExecutor
@@ -161,20 +176,12 @@ def run(args) -> None:
     raw = {"versions": versions(), "eager": args.eager, "chunk": args.chunk,
            "parallel_one_gpu": args.parallel_one_gpu, "runs": []}
 
-    def profiled(config: str) -> bool:
-        return bool(args.profile_len or args.profile_decode) and (
-            not args.profile_configs or config in args.profile_configs.split(","))
-
     def one(config: str, env: dict) -> None:
         out = f"/tmp/bench-{config}.json"
         cmd = [sys.executable, __file__, "measure", "--config", config, "--model", model,
                "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
                "--itl-repeats", str(args.itl_repeats), "--chunk", str(args.chunk),
-               "--out", out] + (["--eager"] if args.eager else []) + (
-                   ["--profile-len", str(args.profile_len),
-                    "--profile-decode", str(args.profile_decode), "--profile-dir",
-                    os.path.join(os.path.dirname(os.path.abspath(args.raw)),
-                                 f"profile-{config}")] if profiled(config) else [])
+               "--out", out] + (["--eager"] if args.eager else []) + _profile_args(args, config)
         raw["runs"].append(run_worker(cmd, out, "rows", {"config": config},
                                       {**CONFIGS[config][1], **env},
                                       extra=("kv_capacity_tokens",)))
@@ -242,6 +249,10 @@ def main() -> None:
     r.add_argument("--profile-decode", type=int, default=0,
                    help="instead of a prefill, profile this many decode steps at the ITL "
                         "context, batch 1")
+    r.add_argument("--profile-mixed", action="store_true",
+                   help="with --profile-len: the prefill runs beside the 8 cached ITL "
+                        "requests decoding (serving's mixed steps; with --chunk, chunks "
+                        "with context)")
     r.add_argument("--profile-configs", default="",
                    help="comma-separated configurations to profile (default: all)")
     r.add_argument("--raw", required=True)
@@ -255,6 +266,7 @@ def main() -> None:
     m.add_argument("--chunk", type=int, default=0)
     m.add_argument("--profile-len", type=int, default=0)
     m.add_argument("--profile-decode", type=int, default=0)
+    m.add_argument("--profile-mixed", action="store_true")
     m.add_argument("--profile-dir", default="")
     m.add_argument("--out", required=True)
     b = sub.add_parser("model", help="write the bench model's folder (for vllm serve)")

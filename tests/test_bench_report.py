@@ -116,3 +116,20 @@ def test_report_records_the_chunk_size_of_a_chunked_run(tmp_path, monkeypatch):
     path.write_text(json.dumps({**raw, "chunk": 0}))
     bench_pcp.report(args)
     assert "max_num_batched_tokens" not in json.load(open(tmp_path / "ttft.json"))["meta"]
+
+
+def test_profile_flags_reach_only_the_profiled_configs():
+    from types import SimpleNamespace
+
+    import bench_pcp
+
+    args = SimpleNamespace(profile_len=16384, profile_decode=0, profile_mixed=True,
+                           profile_configs="pcp2,pcp2-dcp2", raw="/tmp/x/raw.json")
+    flags = bench_pcp._profile_args(args, "pcp2-dcp2")
+    assert flags[:2] == ["--profile-len", "16384"] and flags[-1] == "--profile-mixed"
+    assert flags[flags.index("--profile-dir") + 1] == "/tmp/x/profile-pcp2-dcp2"
+    assert bench_pcp._profile_args(args, "pcp1") == []
+    assert bench_pcp._profile_args(SimpleNamespace(**{**vars(args), "profile_len": 0}),
+                                   "pcp2") == []
+    assert "--profile-mixed" not in bench_pcp._profile_args(
+        SimpleNamespace(**{**vars(args), "profile_mixed": False}), "pcp2")
