@@ -5,8 +5,9 @@ Why
     Model Runner V2 for dense models unless a feature it lists here is missing
     from V2; PCP > 1 on a GQA model is listed, DCP inside TP (PCP = 1) is not.
     So ``-tp 2 -dcp 2 --attention-backend FLASHINFER``, which the plugin takes
-    over because vLLM's own FlashInfer DCP gives wrong tokens, chose V2 and the
-    plugin's worker stopped every rank at start-up (seen on 2 x H200).
+    over because vLLM's own FlashInfer DCP gives wrong tokens, chose V2, which
+    the plugin's worker refuses when it starts (on 2 x H200 every such engine
+    failed while its workers started).
 How
     Wrap the method: vLLM's own list, plus "vllm-pcp's DCP on FLASHINFER" when
     :func:`vllm_pcp.config.takes_over` says the plugin runs the config at
