@@ -46,7 +46,7 @@ def run_worker(cmd: list[str], out: str, key: str, entry: dict, env: dict | None
         entry["errors"] = error_lines(log)
         entry["log_tail"] = log[-6000:]
     print(" ".join(str(v) for v in entry.values() if isinstance(v, (str, int, float))),
-          flush=True)
+          *entry.get("errors", [])[:1], flush=True)  # a failure's first exception line
     return entry
 
 

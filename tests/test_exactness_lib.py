@@ -126,6 +126,18 @@ def test_small_pool_config_holds_fewer_tokens_per_rank_than_the_longest_prompt()
     assert kv_bytes_per_token({**hf, "head_dim": 64}) == 4 * 2 * 2 * 64 * 2
 
 
+def test_run_worker_prints_a_failures_first_exception(tmp_path, capsys):
+    import sys
+
+    from gpu_runs import run_worker
+
+    script = "import sys; print('RuntimeError: root cause', file=sys.stderr); sys.exit(1)"
+    entry = run_worker([sys.executable, "-c", script], str(tmp_path / "w.json"), "rows",
+                       {"config": "x"})
+    assert entry["errors"] == ["RuntimeError: root cause"]
+    assert capsys.readouterr().out.strip().endswith("RuntimeError: root cause")
+
+
 def test_run_worker_keeps_a_failed_runs_saved_part_and_never_a_stale_file(tmp_path):
     import json
     import sys
