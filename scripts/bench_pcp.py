@@ -29,6 +29,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from gpu_runs import NO_ALLREDUCE_FUSION  # noqa: E402
+
 CONFIGS = {
     "pcp1-stock": ({"prefill_context_parallel_size": 1}, {"VLLM_PLUGINS": "none"}),
     "pcp1": ({"prefill_context_parallel_size": 1}, {}),
@@ -37,10 +40,7 @@ CONFIGS = {
                     "additional_config": {"pcp_min_split_tokens": 8192}}, {}),
     "pcp2-split-all": ({"prefill_context_parallel_size": 2,
                         "additional_config": {"pcp_min_split_tokens": 2}}, {}),
-    # vLLM's all-reduce + RMSNorm fusion (torch.compile at TP > 1) failed vLLM's memory
-    # profiling on the 2 x H200 host, where NVLink multicast is off
-    "tp2": ({"tensor_parallel_size": 2,
-             "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}, {}),
+    "tp2": ({"tensor_parallel_size": 2, "compilation_config": NO_ALLREDUCE_FUSION}, {}),
     "pcp2-dcp2": ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2},
                   {}),
 }
@@ -289,5 +289,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     main()

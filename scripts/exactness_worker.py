@@ -13,6 +13,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exactness_lib import MAX_TOKENS, build_cases  # noqa: E402
+from gpu_runs import NO_ALLREDUCE_FUSION  # noqa: E402
 
 VARIANTS = {"unchunked": None, "chunked": 2048}
 
@@ -71,10 +72,10 @@ def _knobs(args) -> dict:
 
 
 def _compilation(args) -> dict:
-    """vLLM's all-reduce + RMSNorm fusion (torch.compile at TP > 1) failed vLLM's memory
-    profiling on the 2 x H200 host (NVLink multicast off there): off, as in the bench."""
+    """TP > 1 with torch.compile: without vLLM's all-reduce + RMSNorm fusion
+    (:data:`gpu_runs.NO_ALLREDUCE_FUSION`), as in the bench."""
     if args.tp > 1 and args.cuda_graphs:
-        return {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
+        return {"compilation_config": NO_ALLREDUCE_FUSION}
     return {}
 
 
