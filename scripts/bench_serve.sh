@@ -8,7 +8,8 @@
 # Writes OUT_DIR/NAME-c4.json and OUT_DIR/NAME-c16.json (vllm bench serve's result files,
 # TTFT/TPOT/ITL p50/p90/p99). INPUT_LEN (default 32768), OUTPUT_LEN (128) and PROMPTS (32)
 # override the workload. Each concurrency draws its own prompts (seed = concurrency): the
-# same prompts twice would be served from the prefix cache the first run filled. scripts/bench_pcp.py report --serve-dir OUT_DIR collects them.
+# same prompts twice would be served from the prefix cache the first run filled.
+# scripts/bench_pcp.py report --serve-dir OUT_DIR collects them.
 set -euo pipefail
 model=$1 tokenizer=$2 out=$3 name=$4; shift 4
 port=${PORT:-8124}

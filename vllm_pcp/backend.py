@@ -9,8 +9,9 @@ is FlashInfer's own: each local chunk attends causally over the paged cache,
 and the bottom-right causal mask places the chunk at its absolute offset. With
 DCP == PCP the cache holds a shard only, and :mod:`vllm_pcp.dcp_attention`
 runs the step; so it does for DCP inside TP at PCP = 1 (``-tp N -dcp N`` with
-FLASHINFER named), whose ranks hold every token and their own query heads. Steps without split prefills at DCP = 1, and PCP = 1, run
-exactly as stock FlashInfer.
+FLASHINFER named), whose ranks hold every token and their own query heads.
+Steps without split prefills at DCP = 1, and PCP = 1 without DCP, run exactly
+as stock FlashInfer.
 """
 from __future__ import annotations
 
