@@ -43,6 +43,11 @@ CONFIGS = {
     "tp2": ({"tensor_parallel_size": 2, "compilation_config": NO_ALLREDUCE_FUSION}, {}),
     "pcp2-dcp2": ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2},
                   {}),
+    # each way a split chunk reaches its context, forced (the default picks per step)
+    **{f"pcp2-dcp2-{way}": ({"prefill_context_parallel_size": 2,
+                             "decode_context_parallel_size": 2,
+                             "additional_config": {"pcp_dcp_context_exchange": way}}, {})
+       for way in ("queries", "keys")},
 }
 ONE_GPU = ("pcp1-stock", "pcp1")
 ITL_CONTEXT, ITL_TOKENS, ITL_BATCHES = 32768, 128, (1, 8)

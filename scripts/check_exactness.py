@@ -41,6 +41,10 @@ CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
            # full CUDA graphs of the decode steps (FULL_DECODE_ONLY), torch.compile on
            "pcp2-dcp2-i8-graphs": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
                                    "--cuda-graphs"],
+           # each way a split chunk reaches its context, forced (the default picks per step)
+           **{f"pcp2-dcp2-i8-{way}": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
+                                      "--dcp-context-exchange", way]
+              for way in ("queries", "keys")},
            # DCP inside TP (PCP = 1): models with fewer kv heads than -tp (vLLM's rule)
            **{f"tp2-dcp2-i{i}": ["--tp", "2", "--dcp", "2", "--interleave", str(i)]
               for i in (1, 8, 16)},

@@ -68,7 +68,10 @@ def kv_bytes_per_token(hf: dict) -> int:
 def _knobs(args) -> dict:
     """Every prefill of a PCP run is split (the default leaves prompts under 8192
     tokens whole, which would compare one-GPU work with one-GPU work)."""
-    return {"pcp_min_split_tokens": 2} if args.pcp > 1 else {}
+    knobs = {"pcp_min_split_tokens": 2} if args.pcp > 1 else {}
+    if getattr(args, "dcp_context_exchange", None):
+        knobs["pcp_dcp_context_exchange"] = args.dcp_context_exchange
+    return knobs
 
 
 def _compilation(args) -> dict:
@@ -89,6 +92,8 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true", help="Ray as the distributed executor")
     ap.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     ap.add_argument("--interleave", type=int, default=1, help="--cp-kv-cache-interleave-size")
+    ap.add_argument("--dcp-context-exchange", choices=("auto", "queries", "keys"),
+                    help="the plugin knob pcp_dcp_context_exchange (default: its default)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--attention-backend", default="FLASHINFER",
                     help="the same kernel on both sides of a comparison; PCP runs on "

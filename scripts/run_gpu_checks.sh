@@ -15,6 +15,7 @@
 #              on FlashAttention against FlashInfer (the noise floor of a kernel change);
 #              one run whose KV pool per rank (20480 tokens) is smaller than its longest
 #              prompt (32768); DCP_CONFIGS and DCP_UNCHUNKED_CONFIGS pick configurations
+#              (also pcp2-dcp2-i8-keys / -queries: one context exchange forced)
 #   exact-tp-dcp  -tp 2 -dcp 2 (PCP = 1) at interleave 1, 8, 16 and with CUDA graphs
 #              against PCP = 1, the 1-kv-head model, chunked and unchunked prefill
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,

@@ -72,7 +72,7 @@ def _capture_like_vllm(attn, world, rank, interleave, graph_rows, table):
 
 def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
                  page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD",
-                 graph_rows=None, heads_gathered=False):
+                 graph_rows=None, heads_gathered=False, context_exchange="queries"):
     """Each rank's restored output (in the attention's output dtype) and the float32
     reference computed from the same ``dtype``-rounded inputs.
 
@@ -82,7 +82,9 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
 
     ``heads_gathered``: DCP inside TP (PCP = 1). Rank r holds query heads
     ``[r * hq / N, (r + 1) * hq / N)`` of every token and the same K/V heads; nothing
-    is split (``min_split`` is ignored); each rank's output is its own heads, step order."""
+    is split (``min_split`` is ignored); each rank's output is its own heads, step order.
+
+    ``context_exchange``: how split rows reach their context (``build_dcp_plan``)."""
     full, q = make_batch(hq, hkv, dim, world * 100 + interleave, computed, scheduled)
     full = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in full]
     q = q.to(dtype).float()
@@ -94,7 +96,8 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
 
     def rank_fn(rank):
         plan = build_dcp_plan(computed, scheduled, world, rank, interleave,
-                              min_split_tokens=sys.maxsize if heads_gathered else min_split)
+                              min_split_tokens=sys.maxsize if heads_gathered else min_split,
+                              context_exchange=context_exchange, kv_to_q_heads=hkv / hq)
         cache, table = _paged_shard(full, rank, world, interleave, page_size, device, dtype)
         if kv_layout == "HND":  # [pages, Hkv, page_size, D]
             cache = tuple(c.transpose(1, 2).contiguous() for c in cache)

@@ -83,6 +83,16 @@ def test_knobs():
             PCPKnobs.from_additional_config({"pcp_min_split_tokens": bad})
 
 
+def test_context_exchange_knob():
+    assert PCPKnobs.from_additional_config({}).dcp_context_exchange == "auto"
+    for value in ("auto", "queries", "keys"):
+        knobs = PCPKnobs.from_additional_config({"pcp_dcp_context_exchange": value})
+        assert knobs.dcp_context_exchange == value
+    for bad in ("kv", None, 1):
+        with pytest.raises(PCPConfigError, match="pcp_dcp_context_exchange"):
+            PCPKnobs.from_additional_config({"pcp_dcp_context_exchange": bad})
+
+
 def test_the_default_split_threshold():
     from vllm_pcp.config import DEFAULT_MIN_SPLIT_TOKENS, min_split_tokens
 

@@ -146,19 +146,40 @@ def float32_flashinfer(monkeypatch):
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
 @pytest.mark.parametrize("min_split", [2, 16])
-def test_dcp_attention_matches_one_process(float32_flashinfer, world, interleave, min_split):
-    outs, expect = run_dcp_step(world, interleave, min_split, "cpu", torch.float32)
+@pytest.mark.parametrize("context_exchange", ["queries", "keys"])
+def test_dcp_attention_matches_one_process(float32_flashinfer, world, interleave, min_split,
+                                           context_exchange):
+    outs, expect = run_dcp_step(world, interleave, min_split, "cpu", torch.float32,
+                                context_exchange=context_exchange)
     for out in outs:
         torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (4, 8)])
-def test_bf16_partials_are_merged_by_flashinfer(reference_flashinfer, world, interleave):
+@pytest.mark.parametrize("context_exchange", ["queries", "keys"])
+def test_bf16_partials_are_merged_by_flashinfer(reference_flashinfer, world, interleave,
+                                                context_exchange):
     """bf16 model: partial states in bf16, merged by FlashInfer's 16-bit kernels."""
-    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.bfloat16)
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.bfloat16,
+                                context_exchange=context_exchange)
     for out in outs:
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), expect, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (2, 8), (4, 16)])
+@pytest.mark.parametrize("computed,scheduled", [
+    ([300, 12, 0], [64, 1, 40]),    # a long context next to its chunk, a decode, a fresh one
+    ([5, 1000], [200, 33]),         # short and long contexts (ranks store unequal counts)
+    ([17], [96])])                  # one request, a rank storing 1 token more
+def test_fetched_context_matches_one_process(float32_flashinfer, world, interleave, computed,
+                                             scheduled):
+    """Split rows that all-gather their context K/V attend in the new-part call alone."""
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.float32,
+                                computed=computed, scheduled=scheduled,
+                                context_exchange="keys")
+    for out in outs:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
 
 
 def test_the_strict_fake_refuses_float32_like_flashinfer(reference_flashinfer):

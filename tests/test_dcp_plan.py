@@ -91,3 +91,56 @@ def test_decode_steps_fold_the_new_token_into_the_shard(world, interleave):
 def test_steps_that_cannot_fold_keep_the_general_plan(computed, scheduled):
     for rank in range(2):  # the same answer on every rank: the collectives differ
         assert build_dcp_plan(computed, scheduled, 2, rank, 16).decode is None
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
+def test_fetched_context_rows_rebuild_each_context_in_order(world, interleave):
+    """Each rank sends its shard's context tokens, request after request, padded to Pc;
+    a split row's keys are then its whole context in order, then its new tokens."""
+    from vllm_pcp.kv_shard import dcp_local_offset, dcp_owner
+
+    plans = [build_dcp_plan(COMPUTED, SCHEDULED, world, r, interleave, min_split_tokens=8,
+                            context_exchange="keys") for r in range(world)]
+    gathers = [p.ctx_gather for p in plans]
+    assert len({g.num_padded for g in gathers}) == 1  # one all-gather size everywhere
+    padded = gathers[0].num_padded
+    blocks = []
+    for rank, g in enumerate(gathers):  # what each rank sends: (request, position)
+        sent = []
+        for req, n in zip(g.req.tolist(), g.local_len.tolist()):
+            pos = torch.arange(COMPUTED[req])
+            mine = pos[dcp_owner(pos, world, interleave) == rank]
+            assert torch.equal(dcp_local_offset(mine, world, interleave), torch.arange(n))
+            sent += [(req, int(t)) for t in mine]
+        blocks += sent + [None] * (padded - len(sent))
+    step_tokens = sum(SCHEDULED)
+    starts = np.cumsum(SCHEDULED) - SCHEDULED
+    for p in plans:
+        assert len(p.ctx_split.query_index) == 0  # nothing left for the query exchange
+        index, indptr = p.new_kv_token_index.numpy(), p.new_kv_indptr.numpy()
+        for j, req in enumerate(p.pcp.row_req_indices.tolist()):
+            keys = index[indptr[j]:indptr[j + 1]]
+            fetched = [blocks[k - step_tokens] for k in keys if k >= step_tokens]
+            if req in gathers[0].req.tolist():
+                assert fetched == [(req, t) for t in range(COMPUTED[req])]
+            else:
+                assert fetched == []
+            new = keys[len(fetched):]
+            assert (new == starts[req] + np.arange(len(new))).all()
+
+
+def test_auto_moves_keys_only_when_they_are_fewer_bytes():
+    computed, scheduled = [4096], [4096]  # Pc = 2048 context rows, P = 2048 queries
+    keys = build_dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="auto",
+                          kv_to_q_heads=2 / 16)
+    assert keys.ctx_gather is not None and keys.ctx_gather.num_padded == 2048
+    long_context = build_dcp_plan([120_000], [4096], 2, 0, 1, context_exchange="auto",
+                                  kv_to_q_heads=2 / 16)  # 60,000 x 1/8 > 2,048
+    assert long_context.ctx_gather is None and len(long_context.ctx_split.query_index)
+    mha = build_dcp_plan(computed, scheduled, 2, 1, 1, context_exchange="auto",
+                         kv_to_q_heads=1.0)  # 2048 x 1 <= 2048: keys
+    assert mha.ctx_gather is not None
+    assert build_dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="queries",
+                          kv_to_q_heads=0.01).ctx_gather is None
+    with pytest.raises(ValueError, match="context_exchange"):
+        build_dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="kv")

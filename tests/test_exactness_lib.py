@@ -165,6 +165,11 @@ def test_pcp_exactness_runs_split_every_prompt():
 
     assert _knobs(SimpleNamespace(pcp=2, dcp=2)) == {"pcp_min_split_tokens": 2}
     assert _knobs(SimpleNamespace(pcp=1, dcp=1)) == {}
+    assert _knobs(SimpleNamespace(pcp=2, dcp=2, dcp_context_exchange="keys")) == {
+        "pcp_min_split_tokens": 2, "pcp_dcp_context_exchange": "keys"}
+    import check_exactness as ce
+
+    assert ce.BASELINE["pcp2-dcp2-i8-keys"] == ce.BASELINE["pcp2-dcp2-i8-queries"] == "pcp1"
 
 
 def test_error_lines_keep_a_workers_root_cause_before_the_wrappers():

@@ -44,6 +44,9 @@ def _make_runner(group, rank):
     r.pcp_group = group.rank(rank)
     r.pcp_world_size, r.pcp_rank = group.world_size, rank
     r.pcp_min_split_tokens = 2 * group.world_size
+    r.pcp_dcp_context_exchange = "auto"
+    r.num_query_heads, r.parallel_config = 16, None
+    r.model_config = SimpleNamespace(get_num_kv_heads=lambda parallel_config: 2)
     r.reorder_batch_threshold = 1
     r.pcp_dcp, r.cp_kv_cache_interleave_size = False, 1
     r.dcp_group, r.dcp_heads_gathered = r.pcp_group, False
@@ -257,6 +260,23 @@ def test_dcp_steps_plan_every_step_with_the_sharded_layout(monkeypatch):
     gathered = runner._pcp_step.slot_mapping_by_layer["l0"]
     idx = plan.pcp.gathered_token_indices
     assert torch.equal(gathered[idx >= 0], slots[idx[idx >= 0]])
+
+
+@pytest.mark.parametrize("exchange,fetched", [("auto", True), ("keys", True),
+                                              ("queries", False)])
+def test_the_context_exchange_knob_reaches_the_plan(monkeypatch, exchange, fetched):
+    """Request 3 (12 tokens of context, split): its context K/V is fetched, or its
+    queries travel; "auto" fetches at 2 kv heads per 16 query heads."""
+    runner = _make_runner(ThreadGroup(2), 0)
+    runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
+    runner.pcp_dcp_context_exchange = exchange
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
+    runner._prepare_inputs(None, np.array(SCHEDULED, np.int32))
+    plan = runner._pcp_plan
+    if fetched:
+        assert plan.ctx_gather.req.tolist() == [3] and not len(plan.ctx_split.query_index)
+    else:
+        assert plan.ctx_gather is None and plan.ctx_split.req.tolist() == [3, 3, 3, 3]
 
 
 def test_dcp_decode_steps_run_stock_with_the_plugins_attention(monkeypatch):

@@ -25,9 +25,15 @@ class PCPKnobs:
     min_split_tokens : prompts shorter than this are computed whole on every rank;
         every chunk of a longer one is split (``pcp_min_split_tokens``). None (the
         default): :data:`DEFAULT_MIN_SPLIT_TOKENS` (see :func:`min_split_tokens`).
+    dcp_context_exchange : with ``-dcp``, how a split chunk reaches the context that
+        earlier steps stored on other ranks (``pcp_dcp_context_exchange``):
+        ``"queries"`` all-gathers its queries and sends partial outputs back,
+        ``"keys"`` all-gathers the context K/V, ``"auto"`` (default) whichever moves
+        fewer bytes in that step (:mod:`vllm_pcp.dcp_plan`).
     """
 
     min_split_tokens: int | None = None
+    dcp_context_exchange: str = "auto"
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> PCPKnobs:
@@ -42,10 +48,17 @@ class PCPKnobs:
             raise PCPConfigError(
                 f"--additional-config pcp_min_split_tokens must be a non-negative "
                 f"integer, got {value!r}")
-        return cls(min_split_tokens=value)
+        exchange = raw.get("pcp_dcp_context_exchange", "auto")
+        if exchange not in CONTEXT_EXCHANGES:
+            raise PCPConfigError(
+                f"--additional-config pcp_dcp_context_exchange must be one of "
+                f"{', '.join(CONTEXT_EXCHANGES)}, got {exchange!r}")
+        return cls(min_split_tokens=value, dcp_context_exchange=exchange)
 
 
-_KNOBS = ("pcp_min_split_tokens",)
+_KNOBS = ("pcp_min_split_tokens", "pcp_dcp_context_exchange")
+# how split chunks reach the context stored on other DCP ranks (vllm_pcp.dcp_plan)
+CONTEXT_EXCHANGES = ("auto", "queries", "keys")
 
 # A fresh 4K prompt split over 2 x H200 reached its first token 1.12x later than on one
 # GPU, while 32K and 128K prompts gained 1.85x and 1.92x; unsplit below 8192 tokens the 4K

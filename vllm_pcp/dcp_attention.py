@@ -4,7 +4,9 @@ Plan once per step on the CPU plan's tensors, run per layer. Three FlashInfer
 calls, mirroring :func:`vllm_pcp.reference.pcp_dcp_rank_attention`:
 
     new part        BatchPrefillWithRaggedKVCacheWrapper, causal, over this
-                    step's gathered K/V (rows of the request up to the row end)
+                    step's gathered K/V (rows of the request up to the row end);
+                    with ``plan.ctx_gather`` a split row's all-gathered context
+                    K/V comes first, and its row needs no merge
     split context   BatchPrefillWithPagedKVCacheWrapper, non-causal, all ranks'
                     split queries over this rank's shard -> all-to-all
     replicated ctx  the same kernel over this rank's own copies -> all-gather
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_pcp.dcp_plan import AttentionRows, DCPAttentionPlan
+from vllm_pcp.dcp_plan import AttentionRows, ContextGather, DCPAttentionPlan
 from vllm_pcp.exchange import all_gather_padded, all_to_all
 
 
@@ -53,6 +55,21 @@ def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
     indices = block_table.reshape(-1).index_select(0, flat)
     last = kv_len - (pages - 1).clamp(min=0) * page_size
     return indptr, indices.to(torch.int32), last.to(torch.int32)
+
+
+def context_slots(gather: ContextGather, block_table: torch.Tensor,
+                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page and in-page slot of each context token this rank sends: the first
+    ``gather.local_len[g]`` tokens of request ``gather.req[g]``'s shard, request
+    after request; both ``[sum local_len]`` int64 on the block table's device."""
+    lens = gather.local_len.long()
+    starts = torch.cumsum(lens, 0) - lens
+    offsets = torch.arange(int(lens.sum())) - starts.repeat_interleave(lens)
+    req = gather.req.long().repeat_interleave(lens)
+    flat = (req * block_table.shape[1] + offsets // page_size).to(block_table.device,
+                                                                 non_blocking=True)
+    page = block_table.reshape(-1).index_select(0, flat).long()
+    return page, (offsets % page_size).to(block_table.device, non_blocking=True)
 
 
 def _kept(rows: AttentionRows) -> AttentionRows:
@@ -91,6 +108,7 @@ class DCPAttention:
         self._decode = self._decode_wrapper(workspace, kv_layout, use_tensor_cores=True)
         self._decode_now = self._decode
         self._workspace, self._kv_layout = workspace, kv_layout
+        self.ctx_slots: tuple[torch.Tensor, torch.Tensor] | None = None
         # Full CUDA graphs of decode steps: one wrapper per batch size, all reading
         # index buffers at fixed addresses (filled by _plan_decode before a replay).
         self.max_graph_rows = max_graph_rows
@@ -119,6 +137,8 @@ class DCPAttention:
             return None if x is None else x.to(dev, non_blocking=True)
 
         self.new_kv_index = to_dev(plan.new_kv_token_index)
+        self.ctx_slots = (None if plan.ctx_gather is None else
+                          context_slots(plan.ctx_gather, block_table, self.page_size))
         self.local_index = to_dev(plan.pcp.local_token_indices)
         self._new.plan(plan.pcp.query_start_loc, plan.new_kv_indptr, hq, hkv, dim,
                        causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype,
@@ -193,6 +213,9 @@ class DCPAttention:
         On a decode step ``q_local`` is the step's tokens and K/V are not read."""
         if self.plan_.decode is not None:
             return self._run_decode(group, q_local, kv_cache)
+        if self.ctx_slots is not None:  # split rows' context: K/V rows after the step's
+            k_ctx, v_ctx = self._gather_context(group, kv_cache)
+            k_step, v_step = torch.cat((k_step, k_ctx)), torch.cat((v_step, v_ctx))
         out, lse = self._new.run(q_local, k_step.index_select(0, self.new_kv_index),
                                  v_step.index_select(0, self.new_kv_index),
                                  out=self._out_like(q_local), return_lse=True)
@@ -254,6 +277,19 @@ class DCPAttention:
             return self._merge_state(outs[0], lses[0], outs[1], lses[1])[0]
         return self._merge_states(outs.transpose(0, 1).contiguous(),
                                   lses.transpose(0, 1).contiguous())[0]
+
+    def _gather_context(self, group, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's stored context of the split requests: ``[N * Pc, Hkv, D]``
+        K and V, rank 0's block first (:class:`vllm_pcp.dcp_plan.ContextGather`)."""
+        page, slot = self.ctx_slots
+        k_cache, v_cache = kv_cache
+        if self._kv_layout == "HND":  # [pages, Hkv, page_size, D]
+            k, v = k_cache[page, :, slot], v_cache[page, :, slot]
+        else:  # [pages, page_size, Hkv, D]
+            k, v = k_cache[page, slot], v_cache[page, slot]
+        both = all_gather_padded(group, torch.stack((k, v), dim=1),
+                                 self.plan_.ctx_gather.num_padded)
+        return both[:, 0], both[:, 1]
 
     def _no_context(self, rows: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Partial states of ``rows`` queries that saw no keys: zero output,

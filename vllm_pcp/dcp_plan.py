@@ -17,6 +17,14 @@ computed before this step needs two pieces of keys::
                         the partials
     result            merge(context, new)
 
+Split rows can instead fetch their context (``context_exchange="keys"``): every
+rank all-gathers the context K/V it stores of the split requests, and a split
+row attends causally to ``context + new`` in the new-part call, with nothing to
+merge. That moves ``N * Pc`` K/V rows instead of ``N * P`` queries out and
+partial outputs back (``Pc``: the most context tokens any rank stores), the
+cheaper when the context is short next to the chunk or the model has few KV
+heads; ``"auto"`` picks by those sizes, the same on every rank.
+
 A pure decode step (one token per request, and every rank stores at least one
 token of every request) takes a shorter road. The cache write comes before
 attention, so the new token is already in its owner's shard: each rank attends
@@ -35,7 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_pcp.kv_shard import dcp_local_seq_len
+from vllm_pcp.config import CONTEXT_EXCHANGES
+from vllm_pcp.kv_shard import dcp_local_offset, dcp_local_seq_len, dcp_owner
 from vllm_pcp.partition import (PrefillContextParallelMetadata, _expand_ranges,
                                 build_pcp_metadata_all_ranks, split_requests)
 
@@ -63,12 +72,33 @@ class AttentionRows:
 
 
 @dataclass(frozen=True)
+class ContextGather:
+    """The context K/V of the split requests, all-gathered (``context_exchange="keys"``).
+
+    Attributes
+    ----------
+    req : torch.Tensor
+        ``[G]`` int32, the split requests with context, in batch order.
+    local_len : torch.Tensor
+        ``[G]`` int32, context tokens of each that this rank stores: its shard's
+        first ``local_len`` tokens, sent in request order.
+    num_padded : int
+        ``Pc``, rows every rank sends: the most that any rank stores.
+    """
+
+    req: torch.Tensor
+    local_len: torch.Tensor
+    num_padded: int
+
+
+@dataclass(frozen=True)
 class DCPAttentionPlan:
     """One step of PCP x DCP attention, seen from ``dcp_rank``.
 
     ``pcp`` is the step's PCP plan (local rows, gathered layout). The new part
-    reads ``new_kv_token_index[new_kv_indptr[j]:new_kv_indptr[j + 1]]`` (global
-    token indices, step order) for local row j, causally. ``ctx_split`` reads
+    reads ``new_kv_token_index[new_kv_indptr[j]:new_kv_indptr[j + 1]]`` for local
+    row j, causally: rows of ``[step K/V (T, step order); gathered context K/V
+    (N * Pc)]``, the latter only with ``ctx_gather``. ``ctx_split`` reads
     the all-gathered query buffer ``[N * P]``; ``ctx_replicated`` reads local
     queries, in an order that is the same on every rank. ``decode`` is set on a
     pure decode step only (:func:`is_folded_decode`): row i is request i, its
@@ -85,6 +115,7 @@ class DCPAttentionPlan:
     ctx_split: AttentionRows | None
     ctx_replicated: AttentionRows | None
     decode: AttentionRows | None = None
+    ctx_gather: ContextGather | None = None
 
     @property
     def num_local_tokens(self) -> int:
@@ -108,6 +139,58 @@ def _rows_of(meta: PrefillContextParallelMetadata, wanted: np.ndarray):
     qsl = meta.query_start_loc.numpy().astype(np.int64)
     keep = np.flatnonzero(wanted[req])
     return req[keep], qsl[:-1][keep], np.diff(qsl)[keep]
+
+
+def _gather_context(computed: np.ndarray, wanted: np.ndarray, world_size: int, rank: int,
+                    interleave: int, num_padded_queries: int, kv_to_q_heads: float,
+                    context_exchange: str):
+    """``(ContextGather, {request: gathered row of each context token})`` for the
+    ``wanted`` requests when their context K/V moves, else ``(None, {})``.
+
+    ``"auto"`` moves K/V when ``Pc * kv_to_q_heads <= P`` (K and V rows against
+    queries out and partial outputs back), sizes every rank computes alike.
+    """
+    if context_exchange not in CONTEXT_EXCHANGES:
+        raise ValueError(f"context_exchange {context_exchange!r} not in {CONTEXT_EXCHANGES}")
+    reqs = np.flatnonzero(wanted)
+    if context_exchange == "queries" or not len(reqs):
+        return None, {}
+    context = torch.from_numpy(computed[reqs])
+    stored = np.stack([dcp_local_seq_len(context, r, world_size, interleave).numpy()
+                       for r in range(world_size)])  # [N, G]
+    num_padded = int(stored.sum(1).max())
+    if context_exchange == "auto" and num_padded * kv_to_q_heads > num_padded_queries:
+        return None, {}
+    first = np.cumsum(stored, 1) - stored  # [N, G] a request's first row in a rank's block
+    rows = {}
+    for g, req in enumerate(reqs):
+        t = torch.arange(int(computed[req]))
+        owner = dcp_owner(t, world_size, interleave).numpy()
+        rows[int(req)] = (owner * num_padded + first[owner, g]
+                          + dcp_local_offset(t, world_size, interleave).numpy())
+    gather = ContextGather(torch.from_numpy(reqs.astype(np.int32)),
+                           torch.from_numpy(stored[rank].astype(np.int32)), num_padded)
+    return gather, rows
+
+
+def _new_part(rows_req: np.ndarray, token_start: np.ndarray, new_lens: np.ndarray,
+              context_rows: dict, num_step_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each local row's keys for the new-part call: its request's fetched context
+    (rows past the step's ``T`` tokens), then its new tokens up to the row end."""
+    if not context_rows:
+        index = _expand_ranges(token_start[rows_req], new_lens)
+        lens = new_lens
+    else:
+        pieces, lens = [], new_lens.copy()
+        for j, req in enumerate(rows_req):
+            context = context_rows.get(int(req))
+            if context is not None:
+                pieces.append(context + num_step_tokens)
+                lens[j] += len(context)
+            pieces.append(np.arange(token_start[req], token_start[req] + new_lens[j]))
+        index = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return torch.from_numpy(index.astype(np.int64)), torch.from_numpy(indptr)
 
 
 def min_folded_seq_len(world_size: int, interleave: int) -> int:
@@ -145,8 +228,15 @@ def build_dcp_plan(
     min_split_tokens: int = 2,
     decode_threshold: int = 1,
     prefill_lens: Sequence[int] | None = None,
+    context_exchange: str = "queries",
+    kv_to_q_heads: float = 1.0,
 ) -> DCPAttentionPlan:
-    """Plan one step for ``rank`` of a group that is both the PCP and the DCP group."""
+    """Plan one step for ``rank`` of a group that is both the PCP and the DCP group.
+
+    ``context_exchange``: how split rows reach their context, one of
+    :data:`CONTEXT_EXCHANGES` (module docstring); ``kv_to_q_heads``: KV heads per
+    query head, for ``"auto"``.
+    """
     computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
     scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
     if not 0 <= rank < world_size:
@@ -170,9 +260,16 @@ def build_dcp_plan(
 
     rows_req = mine.row_req_indices.numpy().astype(np.int64)
     new_lens = mine.seq_lens.numpy().astype(np.int64) - computed[rows_req]
+    gather, context_rows = _gather_context(computed, split & has_context, world_size, rank,
+                                           interleave, padded, kv_to_q_heads,
+                                           context_exchange)
+    new_index, new_indptr = _new_part(rows_req, token_start, new_lens, context_rows,
+                                      int(scheduled.sum()))
 
-    # Split rows of every rank whose request has context: read from gathered Q.
-    parts = [_rows_of(meta, split & has_context) for meta in metas]
+    # Split rows of every rank whose request has context and no fetched context:
+    # read from gathered Q.
+    queried = split & has_context & (gather is None)
+    parts = [_rows_of(meta, queried) for meta in metas]
     s_req = np.concatenate([p[0] for p in parts])
     s_start = np.concatenate([p[1] + q * padded for q, p in enumerate(parts)])
     s_len = np.concatenate([p[2] for p in parts])
@@ -183,8 +280,7 @@ def build_dcp_plan(
 
     return DCPAttentionPlan(
         pcp=mine, dcp_world_size=world_size, dcp_rank=rank, interleave=interleave,
-        new_kv_token_index=torch.from_numpy(_expand_ranges(token_start[rows_req], new_lens)),
-        new_kv_indptr=torch.from_numpy(np.concatenate([[0], np.cumsum(new_lens)])
-                                       .astype(np.int32)),
+        new_kv_token_index=new_index, new_kv_indptr=new_indptr,
         ctx_split=_rows(s_start, s_len, s_req, local_kv[s_req]),
-        ctx_replicated=_rows(r_start[order], r_len[order], r_req[order], local_kv[r_req[order]]))
+        ctx_replicated=_rows(r_start[order], r_len[order], r_req[order], local_kv[r_req[order]]),
+        ctx_gather=gather)

@@ -82,6 +82,7 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_rank = self.pcp_group.rank_in_group
         knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
         self.pcp_min_split_tokens = min_split_tokens(knobs, self.pcp_world_size)
+        self.pcp_dcp_context_exchange = knobs.dcp_context_exchange
         self.pcp_dcp = self._check_dcp(vllm_config)
         self._pcp_plan: PrefillContextParallelMetadata | DCPAttentionPlan | None = None
         self._pcp_step: _PCPStep | None = None
@@ -139,7 +140,10 @@ class PCPModelRunner(GPUModelRunner):
             num_computed_tokens, num_scheduled_tokens, self.dcp_group.world_size,
             self.dcp_group.rank_in_group, self.cp_kv_cache_interleave_size,
             min_split_tokens=sys.maxsize if self.dcp_heads_gathered else
-            self.pcp_min_split_tokens, prefill_lens=prefill_lens)
+            self.pcp_min_split_tokens, prefill_lens=prefill_lens,
+            context_exchange=self.pcp_dcp_context_exchange,
+            kv_to_q_heads=self.model_config.get_num_kv_heads(self.parallel_config)
+            / self.num_query_heads)
 
     def _build_attention_metadata(self, *args, **kwargs):
         plan, self._pcp_plan = self._pcp_plan, None

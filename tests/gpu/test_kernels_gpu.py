@@ -67,11 +67,13 @@ def test_chunk_rows_with_bottom_right_causal_mask():
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
 @pytest.mark.parametrize("min_split", [2, 16])
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
-def test_dcp_attention_on_flashinfer(world, interleave, min_split, kv_layout):
+@pytest.mark.parametrize("context_exchange", ["queries", "keys"])
+def test_dcp_attention_on_flashinfer(world, interleave, min_split, kv_layout,
+                                     context_exchange):
     from dcp_harness import run_dcp_step
 
     outs, expect = run_dcp_step(world, interleave, min_split, "cuda", torch.bfloat16,
-                                kv_layout=kv_layout)
+                                kv_layout=kv_layout, context_exchange=context_exchange)
     for out in outs:
         torch.testing.assert_close(out.float(), expect, **TOL)
 
