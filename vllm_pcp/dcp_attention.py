@@ -72,9 +72,10 @@ def context_slots(gather: ContextGather, block_table: torch.Tensor,
     return page, (offsets % page_size).to(block_table.device, non_blocking=True)
 
 
-def _kept(rows: AttentionRows) -> AttentionRows:
-    """The rows with keys (kv_len 0 rows dropped, with their query tokens)."""
-    keep = rows.kv_len > 0
+def _kept(rows: AttentionRows, keep: torch.Tensor | None = None) -> AttentionRows:
+    """The rows with keys (kv_len 0 rows dropped, with their query tokens), of those
+    ``keep`` marks if given."""
+    keep = rows.kv_len > 0 if keep is None else keep & (rows.kv_len > 0)
     lens = (rows.qo_indptr[1:] - rows.qo_indptr[:-1])[keep]
     per_token = torch.repeat_interleave(keep, rows.qo_indptr[1:] - rows.qo_indptr[:-1])
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
@@ -144,12 +145,19 @@ class DCPAttention:
                        causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype,
                        kv_data_type=self.dtype, o_data_type=self.dtype)
         split_query = self._plan_paged(self._split, plan.ctx_split, block_table)
-        rep_query = self._plan_paged(self._rep, plan.ctx_replicated, block_table)
-        rep_index = plan.ctx_replicated.query_index
         self.split_query, self.owned_split = to_dev(split_query), to_dev(_owned_split_tokens(plan))
-        self.rep_query, self.rep_index = to_dev(rep_query), to_dev(rep_index)
-        self.rep_slot = (None if rep_query is None else
-                         to_dev(_positions_in(rep_index, rep_query)))
+        rep, rep_index = plan.ctx_replicated, plan.ctx_replicated.query_index
+        # Replicated decode rows (one query over a long shard) on the split-KV decode
+        # kernel, as on folded decode steps; the others on the paged prefill kernel.
+        single = (rep.qo_indptr[1:] - rep.qo_indptr[:-1]) == 1
+        self.rep_index, self.rep_calls = to_dev(rep_index), []
+        for wrapper, query in ((self._rep, self._plan_paged(self._rep, rep, block_table,
+                                                            ~single)),
+                               (self._decode, self._plan_paged_decode(rep, block_table,
+                                                                      single))):
+            if query is not None:
+                self.rep_calls.append((wrapper, to_dev(query),
+                                       to_dev(_positions_in(rep_index, query))))
 
     def _plan_decode(self, rows: AttentionRows, block_table: torch.Tensor,
                      graph_rows: int | None) -> None:
@@ -190,10 +198,11 @@ class DCPAttention:
                 paged_kv_last_page_len_buffer=last[:rows], use_tensor_cores=True)
         return wrapper
 
-    def _plan_paged(self, wrapper, rows: AttentionRows,
-                    block_table: torch.Tensor) -> torch.Tensor | None:
-        """Plan ``wrapper`` for the rows with context; their query rows (CPU), or None."""
-        kept = _kept(rows)
+    def _plan_paged(self, wrapper, rows: AttentionRows, block_table: torch.Tensor,
+                    keep: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Plan ``wrapper`` for the rows with context (of those ``keep`` marks); their
+        query rows (CPU), or None."""
+        kept = _kept(rows, keep)
         if len(kept.req) == 0:
             return None
         hq, hkv, dim = self.heads
@@ -204,6 +213,22 @@ class DCPAttention:
                      self.page_size, causal=False, sm_scale=self.sm_scale,
                      q_data_type=self.dtype, kv_data_type=self.dtype,
                      o_data_type=self.dtype)
+        return kept.query_index
+
+    def _plan_paged_decode(self, rows: AttentionRows, block_table: torch.Tensor,
+                           keep: torch.Tensor) -> torch.Tensor | None:
+        """Plan the decode wrapper for the one-query rows ``keep`` marks that have
+        context; their query rows (CPU), or None."""
+        kept = _kept(rows, keep)
+        if len(kept.req) == 0:
+            return None
+        hq, hkv, dim = self.heads
+        table = block_table.index_select(
+            0, kept.req.to(block_table.device, dtype=torch.int64, non_blocking=True))
+        indptr, indices, last = paged_kv_layout(kept.kv_len, table, self.page_size)
+        self._fast_plan_decode(self._decode, indptr, indices, last, hq, hkv, dim,
+                               self.page_size, sm_scale=self.sm_scale, q_data_type=self.dtype,
+                               kv_data_type=self.dtype, o_data_type=self.dtype)
         return kept.query_index
 
     def run(self, group, q_local: torch.Tensor, k_step: torch.Tensor, v_step: torch.Tensor,
@@ -227,11 +252,11 @@ class DCPAttention:
         rep_index = self.rep_index
         if len(rep_index):
             rep_out, rep_lse = self._no_context(len(rep_index), q_local)
-            if self.rep_query is not None:
-                q_rep = q_local.index_select(0, self.rep_query)
-                o, s = self._rep.run(q_rep, kv_cache, out=self._out_like(q_rep),
-                                     return_lse=True)
-                rep_out[self.rep_slot], rep_lse[self.rep_slot] = o, s
+            for wrapper, query, slot in self.rep_calls:
+                q_rep = q_local.index_select(0, query)
+                o, s = wrapper.run(q_rep, kv_cache, out=self._out_like(q_rep),
+                                   return_lse=True)
+                rep_out[slot], rep_lse[slot] = o, s
             ctx_o, ctx_s = self._merge_states(
                 group.all_gather(rep_out.unsqueeze(1), dim=1).contiguous(),
                 group.all_gather(rep_lse.unsqueeze(1), dim=1).contiguous())
