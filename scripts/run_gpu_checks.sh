@@ -27,14 +27,15 @@
 #              and test.jsonl, default .gpu/gsm8k of the checkout), servers side by side;
 #              GSM8K_CONFIGS picks some ("pcp2-dcp2")
 #   bench-serve  vllm bench serve at concurrency 4 and 16 against one server at a time
-#              (SERVE_CONFIGS, default "pcp1 pcp2 pcp2-dcp2 tp2"; INPUT_LEN 16384, PROMPTS
+#              (SERVE_CONFIGS, default "pcp1 pcp2 pcp2-dcp2 tp2", also pcp2-dcp2-queries
+#              and pcp2-dcp2-keys; INPUT_LEN 16384, PROMPTS
 #              16), the bench model with dummy weights, CUDA graphs as vLLM's default
 #              (SERVE_EAGER=--enforce-eager: none), Qwen2.5-Coder's tokenizer (same
 #              vocabulary; SERVE_TOKENIZER: any tokenizer whose ids the model takes);
 #              SERVE_FLAGS adds vllm serve flags (e.g. "--max-num-batched-tokens 16384"),
 #              SERVE_TAG a suffix to the result names (CONFIG-TAG-cN.json)
 # bench: BENCH_CONFIGS, BENCH_PROMPT_LENS, BENCH_PROFILE ("--profile-decode 16": decode steps
-# instead of a 32K prefill; empty: no profile) override; BENCH_PARALLEL_ONE_GPU= (empty)
+# instead of a 32K prefill; empty: no profile), BENCH_PROFILE_CONFIGS override; BENCH_PARALLEL_ONE_GPU= (empty)
 # runs the one-GPU configurations one after the other (cleaner ITL); BENCH_EAGER= (empty)
 # runs with vLLM's CUDA graphs (default: --eager); BENCH_CHUNK=8192 times chunked prefill at
 # that many tokens per step (default: unchunked)
@@ -90,7 +91,8 @@ case "$stage" in
       ${BENCH_PARALLEL_ONE_GPU---parallel-one-gpu} \
       --configs "${BENCH_CONFIGS:-pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2}" \
       --prompt-lens "${BENCH_PROMPT_LENS:-4096,32768,131072}" \
-      ${BENCH_PROFILE---profile-len 32768} --profile-configs pcp1,pcp2,pcp2-dcp2 \
+      ${BENCH_PROFILE---profile-len 32768} \
+      --profile-configs "${BENCH_PROFILE_CONFIGS:-pcp1,pcp2,pcp2-dcp2}" \
       --raw "$work/bench.json" \
       2>&1 | tee "$work/bench.log" | grep -E "^(pcp|tp)" ;;
   bench-serve)  # one server at a time: vllm bench serve times them
@@ -106,6 +108,10 @@ case "$stage" in
              env=() ;;
         pcp2-dcp2) flags=(--prefill-context-parallel-size 2 --decode-context-parallel-size 2)
                    env=() ;;
+        pcp2-dcp2-queries|pcp2-dcp2-keys)  # one context exchange forced
+          flags=(--prefill-context-parallel-size 2 --decode-context-parallel-size 2
+                 --additional-config "{\"pcp_dcp_context_exchange\": \"${config##*-}\"}")
+          env=() ;;
       esac
       env "${env[@]}" INPUT_LEN=${INPUT_LEN:-16384} PROMPTS=${PROMPTS:-16} \
         "$here/bench_serve.sh" /tmp/bench-models/qwen2.5-3b-shape \
