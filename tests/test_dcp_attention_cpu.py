@@ -264,3 +264,49 @@ def test_dcp_inside_tp_as_cuda_graphs(float32_flashinfer):
                                 scheduled=scheduled, heads_gathered=True, graph_rows=8)
     torch.testing.assert_close(torch.cat(outs, dim=1)[: len(computed)], expect,
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (2, 8), (4, 16)])
+def test_context_gather_reads_the_same_tokens_in_both_cache_layouts(float32_flashinfer, world,
+                                                                    interleave):
+    """The K/V context exchange reads each rank's shard from the paged cache: NHD
+    ``[pages, page, Hkv, D]`` and HND ``[pages, Hkv, page, D]`` (Hopper's) give the same
+    rows, every context token of the split requests once, in request order."""
+    from dcp_harness import _paged_shard, make_batch
+    from helpers import ThreadGroup
+    from vllm_pcp.dcp_attention import DCPAttention, context_slots
+    from vllm_pcp.dcp_plan import build_dcp_plan
+    from vllm_pcp.kv_shard import dcp_owner
+
+    computed, scheduled, page_size = [300, 0, 45], [64, 7, 30], 16
+    full, _ = make_batch(8, 2, 16, 0, computed, scheduled)
+    group = ThreadGroup(world)
+
+    def rank_fn(rank):
+        plan = build_dcp_plan(computed, scheduled, world, rank, interleave,
+                              context_exchange="keys")
+        cache, table = _paged_shard(full, rank, world, interleave, page_size, "cpu",
+                                    torch.float32)
+        got = []
+        for layout, kv in (("NHD", cache), ("HND", tuple(c.transpose(1, 2).contiguous()
+                                                           for c in cache))):
+            attn = object.__new__(DCPAttention)
+            attn._kv_layout, attn.plan_ = layout, plan
+            attn.ctx_slots = context_slots(plan.ctx_gather, table, page_size)
+            got.append(attn._gather_context(group.rank(rank), kv))
+        return plan.ctx_gather, got
+
+    results = group.run(rank_fn)
+    padded = results[0][0].num_padded
+    for gather, ((k_nhd, v_nhd), (k_hnd, v_hnd)) in results:
+        assert torch.equal(k_nhd, k_hnd) and torch.equal(v_nhd, v_hnd)
+        assert k_nhd.shape == (world * padded, 2, 16)
+    k_all = results[0][1][0][0]  # rank 0's copy of the gathered rows
+    for rank in range(world):
+        block, start = k_all[rank * padded:(rank + 1) * padded], 0
+        for req in results[rank][0].req.tolist():
+            pos = torch.arange(computed[req])
+            mine = pos[dcp_owner(pos, world, interleave) == rank]
+            torch.testing.assert_close(block[start:start + len(mine)], full[req][0][mine])
+            start += len(mine)
+        assert not block[start:].any()  # padding
