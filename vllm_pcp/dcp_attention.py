@@ -9,7 +9,8 @@ calls, mirroring :func:`vllm_pcp.reference.pcp_dcp_rank_attention`:
                     K/V comes first, and its row needs no merge
     split context   BatchPrefillWithPagedKVCacheWrapper, non-causal, all ranks'
                     split queries over this rank's shard -> all-to-all
-    replicated ctx  the same kernel over this rank's own copies -> all-gather
+    replicated ctx  the same kernel over this rank's own copies (decode rows:
+                    BatchDecodeWithPagedKVCacheWrapper, split-KV) -> all-gather
     merge           flashinfer.merge_states / merge_state, base-2 LSE
 
 A pure decode step (``plan.decode``) is one decode-kernel call over the shard,
@@ -198,17 +199,25 @@ class DCPAttention:
                 paged_kv_last_page_len_buffer=last[:rows], use_tensor_cores=True)
         return wrapper
 
+    def _paged_rows(self, rows: AttentionRows, block_table: torch.Tensor,
+                    keep: torch.Tensor | None):
+        """The rows with context (of those ``keep`` marks) and their paged-KV
+        arguments ``(kept, indptr, indices, last_page_len)``, or None."""
+        kept = _kept(rows, keep)
+        if len(kept.req) == 0:
+            return None
+        table = block_table.index_select(
+            0, kept.req.to(block_table.device, dtype=torch.int64, non_blocking=True))
+        return (kept, *paged_kv_layout(kept.kv_len, table, self.page_size))
+
     def _plan_paged(self, wrapper, rows: AttentionRows, block_table: torch.Tensor,
                     keep: torch.Tensor | None = None) -> torch.Tensor | None:
         """Plan ``wrapper`` for the rows with context (of those ``keep`` marks); their
         query rows (CPU), or None."""
-        kept = _kept(rows, keep)
-        if len(kept.req) == 0:
+        paged = self._paged_rows(rows, block_table, keep)
+        if paged is None:
             return None
-        hq, hkv, dim = self.heads
-        table = block_table.index_select(
-            0, kept.req.to(block_table.device, dtype=torch.int64, non_blocking=True))
-        indptr, indices, last = paged_kv_layout(kept.kv_len, table, self.page_size)
+        (kept, indptr, indices, last), (hq, hkv, dim) = paged, self.heads
         wrapper.plan(kept.qo_indptr, indptr, indices, last, hq, hkv, dim,
                      self.page_size, causal=False, sm_scale=self.sm_scale,
                      q_data_type=self.dtype, kv_data_type=self.dtype,
@@ -219,13 +228,10 @@ class DCPAttention:
                            keep: torch.Tensor) -> torch.Tensor | None:
         """Plan the decode wrapper for the one-query rows ``keep`` marks that have
         context; their query rows (CPU), or None."""
-        kept = _kept(rows, keep)
-        if len(kept.req) == 0:
+        paged = self._paged_rows(rows, block_table, keep)
+        if paged is None:
             return None
-        hq, hkv, dim = self.heads
-        table = block_table.index_select(
-            0, kept.req.to(block_table.device, dtype=torch.int64, non_blocking=True))
-        indptr, indices, last = paged_kv_layout(kept.kv_len, table, self.page_size)
+        (kept, indptr, indices, last), (hq, hkv, dim) = paged, self.heads
         self._fast_plan_decode(self._decode, indptr, indices, last, hq, hkv, dim,
                                self.page_size, sm_scale=self.sm_scale, q_data_type=self.dtype,
                                kv_data_type=self.dtype, o_data_type=self.dtype)
