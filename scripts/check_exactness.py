@@ -57,6 +57,9 @@ BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1",
             "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
             **{c: "pcp1-graphs" if c.endswith("-graphs") else "pcp1"
                for c in CONFIGS if "-dcp2" in c}}
+TEXT_SUFFIX = "-text"
+TEXT_DATA = os.path.join(os.environ.get("DATA_GSM8K", os.path.join(ROOT, ".gpu", "gsm8k")),
+                         "train.jsonl")
 SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
                  "qwen2.5-coder-0.5b": "/tmp/models/qwen2.5-coder-0.5b"}
 
@@ -83,7 +86,13 @@ def build_models(out_dir: str, layers: int, device: str = "cuda") -> None:
 
 
 def _model_dir(name: str, models_dir: str) -> str:
+    name = name.removesuffix(TEXT_SUFFIX)
     return SHARED_MODELS.get(name) or os.path.join(models_dir, name)
+
+
+def _prompt_args(name: str, text_data: str) -> list[str]:
+    """A model named ``NAME-text`` runs NAME on GSM8K text instead of random ids."""
+    return ["--text-prompts", text_data] if name.endswith(TEXT_SUFFIX) else []
 
 
 def _run_one(args, tmp: str, model: str, variant: str, config: str, env: dict) -> dict:
@@ -91,7 +100,8 @@ def _run_one(args, tmp: str, model: str, variant: str, config: str, env: dict) -
     cmd = [sys.executable, os.path.join(HERE, "exactness_worker.py"),
            "--model", _model_dir(model, args.models_dir), "--variant", variant,
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--max-tokens", str(args.max_tokens), "--out", out, *CONFIGS[config]]
+           "--max-tokens", str(args.max_tokens), "--out", out, *CONFIGS[config],
+           *_prompt_args(model, getattr(args, "text_data", TEXT_DATA))]
     if args.kv_cache_gib:
         cmd += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
     return run_worker(cmd, out, "results",
@@ -231,13 +241,10 @@ def compare(args) -> None:
         meta["compared_tokens"] = args.tokens
     if args.note:
         meta["note"] = args.note
-    n = len(cases)
-    summary = {"cases": n, "passed": sum(c["passed"] for c in cases),
-               "no_divergence": sum(c["passed"] and c["first_divergence"] is None
-                                    for c in cases),
-               "max_baseline_margin_at_divergence": max(
-                   (c["max_baseline_margin"] for c in cases if "max_baseline_margin" in c),
-                   default=None)}
+    summary = _summarize(cases)
+    text = [c for c in cases if c["model"].endswith(TEXT_SUFFIX)]
+    if text:  # real models on real text: margins a kernel change does not flip
+        summary["text_prompts"] = _summarize(text)
     result = {"meta": meta, "summary": summary, "cases": cases}
     bench_runs = []
     if args.bench_raw:
@@ -249,6 +256,15 @@ def compare(args) -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(summary))
+
+
+def _summarize(cases: list[dict]) -> dict:
+    return {"cases": len(cases), "passed": sum(c["passed"] for c in cases),
+            "no_divergence": sum(c["passed"] and c["first_divergence"] is None
+                                 for c in cases),
+            "max_baseline_margin_at_divergence": max(
+                (c["max_baseline_margin"] for c in cases if "max_baseline_margin" in c),
+                default=None)}
 
 
 def _kv_capacity(runs: dict, bench_runs: list | None = None,
@@ -335,6 +351,8 @@ def main() -> None:
                         "other engines on the same GPU would disturb")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     r.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
+    r.add_argument("--text-data", default=TEXT_DATA,
+                   help="GSM8K JSONL for models named NAME-text (real-text prompts)")
     c = sub.add_parser("compare")
     c.add_argument("--raw", nargs="+", required=True)
     c.add_argument("--git-rev", required=True)

@@ -18,25 +18,50 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     return rng.integers(100, vocab_size - 100, size=length).tolist()
 
 
-def build_cases(max_prompt_len: int, vocab_size: int) -> list[dict]:
+def text_prompt(corpus: list[int], questions: list[list[int]], length: int,
+                seed: int) -> list[int]:
+    """``length`` tokens of real text: a window of ``corpus`` (token ids of
+    worked examples) followed by one of ``questions``, cut from the front.
+
+    A real model continues real text with clear preferences, so a divergence
+    there is a kernel's doing, not a tie between two near-equal logits (as on
+    random weights or random token prompts)."""
+    question = questions[seed % len(questions)]
+    body = max(0, length - len(question))
+    if body > len(corpus):
+        raise ValueError(f"a {length}-token prompt needs a longer corpus ({len(corpus)})")
+    start = (seed * 7919) % (len(corpus) - body + 1)
+    return (corpus[start:start + body] + question)[-length:]
+
+
+def render_gsm8k(rows: list[dict]) -> tuple[str, list[str]]:
+    """GSM8K rows (``question``, ``answer``) as a worked-example corpus and, from
+    the last 16 rows, open questions."""
+    worked = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:-16])
+    return worked, [f"Question: {r['question']}\nAnswer:" for r in rows[-16:]]
+
+
+def build_cases(max_prompt_len: int, vocab_size: int, make_prompt=None) -> list[dict]:
     """Cases as plain data. ``kind``: "batch" (one generate call over
     ``prompts``), "prefix" (two calls, the second reusing the first's prefix),
-    "arrival" (a long prompt arrives while a short one decodes)."""
+    "arrival" (a long prompt arrives while a short one decodes).
+    ``make_prompt(length, seed)`` gives the token ids (default: random ids)."""
+    prompt = make_prompt or (lambda n, seed: random_prompt(n, vocab_size, seed))
     cases = []
     for n in SINGLE_LENGTHS:
         if n <= max_prompt_len:
             cases.append({"case": f"len_{n}", "kind": "batch",
-                          "prompts": [random_prompt(n, vocab_size, n)]})
+                          "prompts": [prompt(n, n)]})
     mixed = [min(n, max_prompt_len) for n in MIXED_LENGTHS]
     cases.append({"case": "mixed_batch", "kind": "batch",
-                  "prompts": [random_prompt(n, vocab_size, 7 + i) for i, n in enumerate(mixed)]})
+                  "prompts": [prompt(n, 7 + i) for i, n in enumerate(mixed)]})
     prefix_len = min(6000, max_prompt_len // 2)
-    base = random_prompt(prefix_len, vocab_size, 99)
+    base = prompt(prefix_len, 99)
     cases.append({"case": "prefix_hit", "kind": "prefix", "prompts": [
-        base, base[: prefix_len * 5 // 6] + random_prompt(prefix_len // 4, vocab_size, 98)]})
+        base, base[: prefix_len * 5 // 6] + prompt(prefix_len // 4, 98)]})
     cases.append({"case": "decode_during_prefill", "kind": "arrival", "prompts": [
-        random_prompt(50, vocab_size, 5),
-        random_prompt(min(20000, max_prompt_len), vocab_size, 6)]})
+        prompt(50, 5),
+        prompt(min(20000, max_prompt_len), 6)]})
     return cases
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exactness_lib import MAX_TOKENS, build_cases  # noqa: E402
+from exactness_lib import MAX_TOKENS, build_cases, render_gsm8k, text_prompt  # noqa: E402
 from gpu_runs import NO_ALLREDUCE_FUSION  # noqa: E402
 
 VARIANTS = {"unchunked": None, "chunked": 2048}
@@ -59,6 +59,17 @@ def run_cases(llm, cases, max_tokens: int = MAX_TOKENS) -> list[dict]:
     return results
 
 
+def text_prompts(tokenizer, path: str, rows: int = 1016):
+    """``make_prompt`` of :func:`exactness_lib.build_cases` over GSM8K text
+    (a JSONL of ``question`` / ``answer``), tokenized by the model's tokenizer."""
+    with open(path) as f:
+        data = [json.loads(line) for line, _ in zip(f, range(rows))]
+    worked, questions = render_gsm8k(data)
+    corpus = tokenizer.encode(worked, add_special_tokens=False)
+    question_ids = [tokenizer.encode(q, add_special_tokens=False) for q in questions]
+    return lambda n, seed: text_prompt(corpus, question_ids, n, seed)
+
+
 def kv_bytes_per_token(hf: dict) -> int:
     """Bytes of one token's bf16 K and V over all layers, on one rank (TP = 1)."""
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -95,6 +106,8 @@ def main() -> None:
     ap.add_argument("--dcp-context-exchange", choices=("auto", "queries", "keys"),
                     help="the plugin knob pcp_dcp_context_exchange (default: its default)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    ap.add_argument("--text-prompts", default="",
+                    help="GSM8K JSONL: prompts of real text (default: random token ids)")
     ap.add_argument("--attention-backend", default="FLASHINFER",
                     help="the same kernel on both sides of a comparison; PCP runs on "
                          "FLASHINFER, while vLLM picks FLASH_ATTN for PCP = 1 on Hopper")
@@ -130,7 +143,9 @@ def main() -> None:
     cache = llm.llm_engine.vllm_config.cache_config
     # With DCP one scheduler block spans block_size tokens on each of the DCP ranks.
     kv_capacity_tokens = cache.num_gpu_blocks * cache.block_size * args.dcp
-    cases = build_cases(max_model_len - args.max_tokens - 8, hf["vocab_size"])
+    make_prompt = (text_prompts(llm.get_tokenizer(), args.text_prompts)
+                   if args.text_prompts else None)
+    cases = build_cases(max_model_len - args.max_tokens - 8, hf["vocab_size"], make_prompt)
     results = run_cases(llm, cases, args.max_tokens)
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "pcp": args.pcp, "tp": args.tp,

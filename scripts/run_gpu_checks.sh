@@ -15,7 +15,9 @@
 #              on FlashAttention against FlashInfer (the noise floor of a kernel change);
 #              one run whose KV pool per rank (20480 tokens) is smaller than its longest
 #              prompt (32768); DCP_CONFIGS and DCP_UNCHUNKED_CONFIGS pick configurations
-#              (also pcp2-dcp2-i8-keys / -queries: one context exchange forced)
+#              (also pcp2-dcp2-i8-keys / -queries: one context exchange forced); and the
+#              real models of DCP_TEXT_MODELS (default smollm2-text; empty: none) on GSM8K
+#              text (DATA_GSM8K, default .gpu/gsm8k) under DCP_TEXT_CONFIGS
 #   exact-tp-dcp  -tp 2 -dcp 2 (PCP = 1) at interleave 1, 8, 16 and with CUDA graphs
 #              against PCP = 1, the 1-kv-head model, chunked and unchunked prefill
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
@@ -78,7 +80,13 @@ case "$stage" in
       --configs "${DCP_UNCHUNKED_CONFIGS:-pcp1,pcp2-dcp2-i8,pcp2-dcp2-i8-smallpool}" \
       --raw "$work/raw-dcp-unchunked.json" \
       > "$work/dcp-u.log" 2>&1 &
-    wait; tail -n 30 "$work"/dcp.log "$work"/dcp-u.log ;;
+    if [ -n "${DCP_TEXT_MODELS-smollm2-text}" ]; then  # real models on GSM8K text
+      lanes --lanes 2 --one-gpu-lanes 1 --variants chunked --max-tokens 256 \
+        --models "${DCP_TEXT_MODELS-smollm2-text}" \
+        --configs "${DCP_TEXT_CONFIGS:-pcp1,pcp2-dcp2-i8}" --raw "$work/raw-dcp-text.json" \
+        > "$work/dcp-text.log" 2>&1 &
+    fi
+    wait; tail -n 30 "$work"/dcp*.log ;;
   exact-tp-dcp)  # DCP inside TP on FlashInfer: the 1-kv-head model (kv heads < -tp)
     ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
     lanes --lanes 4 --one-gpu-lanes 2 --variants chunked,unchunked --max-tokens 256 \

@@ -209,3 +209,77 @@ def test_kv_capacity_from_serve_logs_comes_first(tmp_path):
     (tmp_path / "empty.log").write_text("no pool here\n")
     with pytest.raises(ValueError, match="GPU KV cache size"):
         ce.kv_pool_in_log(str(tmp_path / "empty.log"))
+
+
+def test_text_prompts_are_real_text_windows_ending_in_a_question():
+    from exactness_lib import text_prompt
+
+    corpus, questions = list(range(1000, 1200)), [[1, 2, 3], [4, 5]]
+    p = text_prompt(corpus, questions, 50, seed=3)
+    assert len(p) == 50 and p[-2:] == [4, 5]
+    start = p[0] - 1000
+    assert p[:48] == corpus[start:start + 48]
+    assert text_prompt(corpus, questions, 2, seed=0) == [2, 3]  # shorter than a question
+    assert text_prompt(corpus, questions, 50, seed=3) == p  # the same on every engine
+    assert text_prompt(corpus, questions, 50, seed=4) != p
+    with pytest.raises(ValueError, match="longer corpus"):
+        text_prompt(corpus, questions, 500, seed=0)
+
+
+def test_text_model_runs_the_shared_model_on_gsm8k_text(tmp_path, monkeypatch):
+    import json
+    from types import SimpleNamespace
+
+    import check_exactness as ce
+    from exactness_worker import text_prompts
+
+    rows = [{"question": f"q{i} x", "answer": f"a{i} y #### {i}"} for i in range(40)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    class WordTokenizer:  # one id per whitespace-separated word
+        def encode(self, text, add_special_tokens):
+            assert not add_special_tokens
+            return [len(w) for w in text.split()]
+
+    make = text_prompts(WordTokenizer(), str(data))
+    cases = {c["case"]: c["prompts"] for c in build_cases(60, 1000, make)}
+    assert [len(p) for p in cases["len_7"]] == [7]
+    assert cases["len_7"][0][-2:] == [len("x"), len("Answer:")]  # ends in an open question
+    assert max(len(p) for ps in cases.values() for p in ps) == 60
+    seen = {}
+    monkeypatch.setattr(ce, "run_worker", lambda cmd, *a, **k: seen.setdefault("cmd", cmd))
+    args = SimpleNamespace(models_dir="/m", gpu_memory_utilization=0.1, max_tokens=8,
+                           kv_cache_gib=0, text_data=str(data))
+    ce._run_one(args, str(tmp_path), "smollm2-text", "chunked", "pcp1", {})
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("--model") + 1] == ce.SHARED_MODELS["smollm2"]
+    assert cmd[cmd.index("--text-prompts") + 1] == str(data)
+    seen.clear()
+    ce._run_one(args, str(tmp_path), "smollm2", "chunked", "pcp1", {})
+    assert "--text-prompts" not in seen["cmd"]
+
+
+def test_compare_counts_real_text_cases_apart(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    import check_exactness as ce
+
+    def run(model, config, tokens):
+        out = _out(tokens, [{t: -0.1, **{o: -0.2 for o in (2, 99) if o != t}}
+                            for t in tokens])
+        return {"model": model, "variant": "chunked", "config": config, "returncode": 0,
+                "results": [{"case": "len_7", "prompt_lens": [7], "outputs": [out]}]}
+
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"versions": {"gpu": "g"}, "runs": [
+        run("m", "pcp1", [1, 2]), run("m", "pcp2-dcp2-i8", [1, 99]),
+        run("m-text", "pcp1", [3, 4]), run("m-text", "pcp2-dcp2-i8", [3, 4])]}))
+    out = tmp_path / "out.json"
+    ce.compare(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
+                               note="", tokens=0, date="d", bench_raw="", serve_logs=None))
+    summary = json.load(open(out))["summary"]
+    assert (summary["cases"], summary["passed"], summary["no_divergence"]) == (2, 2, 1)
+    assert summary["text_prompts"] == {"cases": 1, "passed": 1, "no_divergence": 1,
+                                       "max_baseline_margin_at_divergence": None}
