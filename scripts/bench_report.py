@@ -24,9 +24,12 @@ def _itl_rows(raw: dict) -> list[dict]:
 TTFT_PAIRS = (("pcp1", "pcp2"), ("pcp1", "pcp2-dcp2"), ("tp2", "pcp2"),
               ("pcp1-stock", "pcp1"), ("pcp2", "pcp1"),
               ("pcp1", "pcp2-min8k"), ("pcp2-min8k", "pcp1"), ("pcp2-dcp2", "pcp1"),
-              ("pcp2-split-all", "pcp2"))
+              ("pcp2-split-all", "pcp2"),
+              # the two context exchanges of PCP x DCP's chunked steps
+              ("pcp1", "pcp2-dcp2-keys"), ("pcp1", "pcp2-dcp2-queries"),
+              ("pcp2-dcp2-queries", "pcp2-dcp2-keys"), ("pcp2-dcp2-keys", "pcp2"))
 ITL_PAIRS = (("pcp2", "pcp1"), ("pcp2-dcp2", "pcp1"), ("pcp1", "pcp1-stock"),
-             ("pcp2-min8k", "pcp1"))
+             ("pcp2-min8k", "pcp1"), ("pcp2-dcp2-keys", "pcp1"), ("pcp2-dcp2-queries", "pcp1"))
 
 
 def ratios(rows: list[dict], key: str = "prompt_len", pairs=TTFT_PAIRS) -> dict:

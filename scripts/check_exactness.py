@@ -57,6 +57,13 @@ BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1",
             "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
             **{c: "pcp1-graphs" if c.endswith("-graphs") else "pcp1"
                for c in CONFIGS if "-dcp2" in c}}
+# The noise floor: one GPU against itself, (variant, config) vs (variant, config). CUDA
+# graphs with torch.compile, or another chunk size, change no value computed, only the
+# order of bf16 roundings; any exact change of kernel or partition is measured against it.
+FLOOR_PAIRS = ((("chunked", "pcp1-graphs"), ("chunked", "pcp1")),
+               (("unchunked", "pcp1-graphs"), ("unchunked", "pcp1")),
+               (("chunked", "pcp1"), ("unchunked", "pcp1")),
+               (("chunked", "pcp1-graphs"), ("unchunked", "pcp1-graphs")))
 TEXT_SUFFIX = "-text"
 TEXT_DATA = os.path.join(os.environ.get("DATA_GSM8K", os.path.join(ROOT, ".gpu", "gsm8k")),
                          "train.jsonl")
@@ -243,9 +250,14 @@ def compare(args) -> None:
         meta["note"] = args.note
     summary = _summarize(cases)
     text = [c for c in cases if c["model"].endswith(TEXT_SUFFIX)]
-    if text:  # real models on real text: margins a kernel change does not flip
+    if text:  # real models on real text
         summary["text_prompts"] = _summarize(text)
+    floor = _noise_floor(runs, args.tokens)
+    if floor:
+        summary["noise_floor"] = _summarize(floor)
     result = {"meta": meta, "summary": summary, "cases": cases}
+    if floor:
+        result["noise_floor_cases"] = floor
     bench_runs = []
     if args.bench_raw:
         with open(args.bench_raw) as f:
@@ -256,6 +268,20 @@ def compare(args) -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(summary))
+
+
+def _noise_floor(runs: dict, tokens: int) -> list[dict]:
+    """One GPU against itself (:data:`FLOOR_PAIRS`), case by case as in ``cases``."""
+    cases = []
+    for model in sorted({m for m, _, _ in runs}):
+        for (variant, config), (base_variant, base_config) in FLOOR_PAIRS:
+            run = runs.get((model, variant, config))
+            base = runs.get((model, base_variant, base_config))
+            if run and base and not run["returncode"] and not base["returncode"]:
+                label = (f"{config} vs {base_config}, {variant}" if variant == base_variant
+                         else f"{config}, {variant} vs {base_variant}")
+                cases += _compare_run(model, label, run, base, tokens)
+    return cases
 
 
 def _summarize(cases: list[dict]) -> dict:
@@ -279,16 +305,19 @@ def _kv_capacity(runs: dict, bench_runs: list | None = None,
              if "kv_capacity_tokens" in r}
     # pcp2-min8k differs from pcp2 only in which prefills it splits: the same pool
     pcp2 = next((c for c in ("pcp2", "pcp2-min8k") if c in bench), None)
+    # and the pcp2-dcp2 variants only in how a split chunk reaches its context
+    dcp = next((c for c in ("pcp2-dcp2", "pcp2-dcp2-keys", "pcp2-dcp2-queries")
+                if c in bench), None)
     if serve_logs:
         tokens = [kv_pool_in_log(path) for path in serve_logs]
         out = {"source": "vllm serve logs (pcp2, pcp2-dcp2): vLLM's 'GPU KV cache size', "
                          "default gpu_memory_utilization",
                "pcp2_tokens": tokens[0], "pcp2_dcp2_tokens": tokens[1],
                "ratio": round(tokens[1] / tokens[0], 4)}
-    elif pcp2 and "pcp2-dcp2" in bench:
-        out = {"source": f"bench_pcp.py ({pcp2}, pcp2-dcp2), gpu_memory_utilization 0.85",
-               "pcp2_tokens": bench[pcp2], "pcp2_dcp2_tokens": bench["pcp2-dcp2"],
-               "ratio": round(bench["pcp2-dcp2"] / bench[pcp2], 4)}
+    elif pcp2 and dcp:
+        out = {"source": f"bench_pcp.py ({pcp2}, {dcp}), gpu_memory_utilization 0.85",
+               "pcp2_tokens": bench[pcp2], "pcp2_dcp2_tokens": bench[dcp],
+               "ratio": round(bench[dcp] / bench[pcp2], 4)}
     else:
         out = _fixed_pool_capacity(runs)
     small = [{"model": model, "variant": variant, "config": config,

@@ -5,6 +5,8 @@ import threading
 
 import torch
 
+JOIN_TIMEOUT_S = 900
+
 
 class ThreadGroup:
     """``world_size`` ranks as threads; ``rank(r)`` is rank r's GroupCoordinator stand-in."""
@@ -31,10 +33,14 @@ class ThreadGroup:
         threads = [threading.Thread(target=target, args=(r,)) for r in range(self.world_size)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(timeout=60)
+        for t in threads:  # generous: a first call on a GPU may compile FlashInfer kernels
+            t.join(timeout=JOIN_TIMEOUT_S)
         if errors:
             raise errors[0]
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+        if stuck:
+            self._barrier.abort()
+            raise TimeoutError(f"ranks {stuck} still running after {JOIN_TIMEOUT_S} s")
         return results
 
 

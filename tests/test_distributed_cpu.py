@@ -192,3 +192,16 @@ def test_pcp_and_dcp_match_single_process(world):
     results = mp.Manager().dict()
     mp.spawn(_worker, args=(world, _free_port(), results), nprocs=world, join=True)
     assert dict(results) == {r: "ok" for r in range(world)}
+
+
+def test_thread_group_raises_for_a_rank_that_does_not_finish(monkeypatch):
+    import threading
+
+    import helpers
+
+    monkeypatch.setattr(helpers, "JOIN_TIMEOUT_S", 0.2)
+    release = threading.Event()
+    group = helpers.ThreadGroup(2)
+    with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
+        group.run(lambda r: r if r == 0 else release.wait(5))
+    release.set()

@@ -110,6 +110,9 @@ def test_kv_capacity_prefers_the_benchmark_pools_and_lists_small_pool_runs():
     bench[0]["config"] = "pcp2-min8k"  # the same pool as pcp2 (only the split threshold differs)
     got = ce._kv_capacity(runs, bench)
     assert got["pcp2_tokens"] == 300000 and "pcp2-min8k" in got["source"]
+    bench[1]["config"] = "pcp2-dcp2-keys"  # the same pool as pcp2-dcp2 (only the exchange)
+    got = ce._kv_capacity(runs, bench)
+    assert got["pcp2_dcp2_tokens"] == 597000 and "pcp2-dcp2-keys" in got["source"]
 
 
 def test_small_pool_config_holds_fewer_tokens_per_rank_than_the_longest_prompt():
@@ -283,3 +286,29 @@ def test_compare_counts_real_text_cases_apart(tmp_path):
     assert (summary["cases"], summary["passed"], summary["no_divergence"]) == (2, 2, 1)
     assert summary["text_prompts"] == {"cases": 1, "passed": 1, "no_divergence": 1,
                                        "max_baseline_margin_at_divergence": None}
+
+
+def test_noise_floor_compares_one_gpu_with_itself(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    import check_exactness as ce
+
+    def run(variant, config, tokens, model="m"):
+        out = _out(tokens, [{t: -0.1, **{o: -0.2 for o in (2, 99) if o != t}}
+                            for t in tokens])
+        return {"model": model, "variant": variant, "config": config, "returncode": 0,
+                "results": [{"case": "len_7", "prompt_lens": [7], "outputs": [out]}]}
+
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"versions": {}, "runs": [
+        run("chunked", "pcp1", [1, 2]), run("chunked", "pcp1-graphs", [1, 99]),
+        run("unchunked", "pcp1", [1, 2]), run("chunked", "pcp2-dcp2-i8", [1, 2])]}))
+    out = tmp_path / "out.json"
+    ce.compare(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
+                               note="", tokens=0, date="d", bench_raw="", serve_logs=None))
+    result = json.load(open(out))
+    assert [c["config"] for c in result["noise_floor_cases"]] == [
+        "pcp1-graphs vs pcp1, chunked", "pcp1, chunked vs unchunked"]
+    assert result["summary"]["noise_floor"]["no_divergence"] == 1
+    assert (result["summary"]["cases"], result["summary"]["no_divergence"]) == (1, 1)
