@@ -23,7 +23,8 @@
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
-#              (pcp1, pcp2, pcp2-dcp2)
+#              (pcp1, pcp2, pcp2-dcp2), and per step and rank its GPU time in kernels,
+#              NCCL, FlashInfer and idle (scripts/trace_steps.py: steps.json)
 #   serve      vllm serve chat at PCP=1 and PCP=2, and gsm8k through lm-eval at PCP=1,
 #              PCP=2 and PCP=2 x DCP=2 (MODEL_GSM8K; DATA_GSM8K: a folder with train.jsonl
 #              and test.jsonl, default .gpu/gsm8k of the checkout), servers side by side;
@@ -102,7 +103,11 @@ case "$stage" in
       ${BENCH_PROFILE---profile-len 32768} \
       --profile-configs "${BENCH_PROFILE_CONFIGS:-pcp1,pcp2,pcp2-dcp2}" \
       --raw "$work/bench.json" \
-      2>&1 | tee "$work/bench.log" | grep -E "^(pcp|tp)" ;;
+      2>&1 | tee "$work/bench.log" | grep -E "^(pcp|tp)"
+    for dir in "$work"/profile-*/; do  # the traces stay here; their per-step summary travels
+      ls "$dir"*.pt.trace.json* > /dev/null 2>&1 && python3 "$here/trace_steps.py" \
+        "$dir"*.pt.trace.json* --out "$dir/steps.json" > "$dir/steps.txt" 2>&1
+    done ;;
   bench-serve)  # one server at a time: vllm bench serve times them
     python3 "$here/bench_pcp.py" model --out-dir /tmp/bench-models/qwen2.5-3b-shape
     for config in ${SERVE_CONFIGS:-pcp1 pcp2 pcp2-dcp2 tp2}; do

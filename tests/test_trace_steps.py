@@ -1,0 +1,48 @@
+"""The per-step trace summary of scripts/trace_steps.py on a hand-made trace."""
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+from trace_steps import summarize_steps  # noqa: E402
+
+
+def _x(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+STEP = "execute_context_1(8192)_generation_0(0)"
+EVENTS = [
+    _x("user_annotation", STEP, -50, 120),          # host span
+    _x("gpu_user_annotation", STEP, 0, 100),        # GPU span
+    _x("kernel", "ncclDevKernel_AllGather_RING_LL", 10, 30),
+    _x("kernel", "flashinfer::PrefillWithKVCacheKernel", 30, 30),  # overlaps the NCCL one
+    _x("kernel", "nvjet_gemm", 70, 10),
+    _x("kernel", "nvjet_gemm", 95, 20),             # runs past the step: clipped at 100
+    _x("kernel", "before", -40, 10),                # outside the step
+    _x("gpu_user_annotation", "execute_context_0(0)_generation_8(8)", 200, 10),
+    _x("kernel", "ncclDevKernel_AllGather_RING_LL", 200, 10),
+    {"ph": "i", "name": "marker", "ts": 5},
+]
+
+
+def test_steps_split_gpu_time_into_kernels_and_idle():
+    first, second = summarize_steps(EVENTS)
+    assert first == {"step": STEP, "host_ms": 0.12, "gpu_span_ms": 0.1, "busy_ms": 0.065,
+                     "nccl_ms": 0.03, "flashinfer_ms": 0.03, "idle_ms": 0.035}
+    assert second["step"].startswith("execute_context_0") and second["host_ms"] is None
+    assert (second["busy_ms"], second["nccl_ms"], second["idle_ms"]) == (0.01, 0.01, 0.0)
+
+
+def test_cli_reads_gzipped_traces(tmp_path):
+    trace = tmp_path / "rank0.pt.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": EVENTS}, f)
+    out = tmp_path / "steps.json"
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "trace_steps.py")
+    subprocess.run([sys.executable, script, str(trace), "--out", str(out)], check=True,
+                   capture_output=True)
+    rows = json.load(open(out))["rank0.pt.trace.json.gz"]
+    assert [r["gpu_span_ms"] for r in rows] == [0.1, 0.01]
