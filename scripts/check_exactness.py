@@ -58,8 +58,8 @@ BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1",
             **{c: "pcp1-graphs" if c.endswith("-graphs") else "pcp1"
                for c in CONFIGS if "-dcp2" in c}}
 # The noise floor: one GPU against itself, (variant, config) vs (variant, config). CUDA
-# graphs with torch.compile, or another chunk size, change no value computed, only the
-# order of bf16 roundings; any exact change of kernel or partition is measured against it.
+# graphs with torch.compile, or another chunk size, compute the same model with other
+# roundings in another order; any exact change of kernel or partition is measured against it.
 FLOOR_PAIRS = ((("chunked", "pcp1-graphs"), ("chunked", "pcp1")),
                (("unchunked", "pcp1-graphs"), ("unchunked", "pcp1")),
                (("chunked", "pcp1"), ("unchunked", "pcp1")),

@@ -23,9 +23,9 @@ def text_prompt(corpus: list[int], questions: list[list[int]], length: int,
     """``length`` tokens of real text: a window of ``corpus`` (token ids of
     worked examples) followed by one of ``questions``, cut from the front.
 
-    A real model continues real text with clear preferences, so a divergence
-    there is a kernel's doing, not a tie between two near-equal logits (as on
-    random weights or random token prompts)."""
+    Random ids on random weights give near-ties at almost every token; real text
+    on a real model shows how often its own preferences are that close (the
+    baseline margin at each divergence says so)."""
     question = questions[seed % len(questions)]
     body = max(0, length - len(question))
     if body > len(corpus):
