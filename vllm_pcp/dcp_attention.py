@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from vllm_pcp.dcp_plan import AttentionRows, ContextGather, DCPAttentionPlan
-from vllm_pcp.exchange import all_gather_padded, all_to_all
+from vllm_pcp.exchange import all_gather_padded, all_to_all, gather_kv
 
 
 def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
@@ -318,9 +318,7 @@ class DCPAttention:
             k, v = k_cache[page, :, slot], v_cache[page, :, slot]
         else:  # [pages, page_size, Hkv, D]
             k, v = k_cache[page, slot], v_cache[page, slot]
-        both = all_gather_padded(group, torch.stack((k, v), dim=1),
-                                 self.plan_.ctx_gather.num_padded)
-        return both[:, 0], both[:, 1]
+        return gather_kv(group, k, v, self.plan_.ctx_gather.num_padded)
 
     def _no_context(self, rows: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Partial states of ``rows`` queries that saw no keys: zero output,
