@@ -257,15 +257,14 @@ class DCPAttention:
         # Replicated rows: every rank holds the same queries; gather the partials.
         rep_index = self.rep_index
         if len(rep_index):
-            rep_out, rep_lse = self._no_context(len(rep_index), q_local)
+            send, rep_out, rep_lse = self._partials(len(rep_index), q_local)
+            rep_out.zero_(), rep_lse.fill_(float("-inf"))  # rows that see no keys here
             for wrapper, query, slot in self.rep_calls:
                 q_rep = q_local.index_select(0, query)
                 o, s = wrapper.run(q_rep, kv_cache, out=self._out_like(q_rep),
                                    return_lse=True)
                 rep_out[slot], rep_lse[slot] = o, s
-            ctx_o, ctx_s = self._merge_states(
-                group.all_gather(rep_out.unsqueeze(1), dim=1).contiguous(),
-                group.all_gather(rep_lse.unsqueeze(1), dim=1).contiguous())
+            ctx_o, ctx_s = self._gather_merged(group, send, rep_out.shape)
             out[rep_index], lse[rep_index] = self._merge_state(
                 ctx_o, ctx_s, out[rep_index], lse[rep_index])
         return out
@@ -291,23 +290,39 @@ class DCPAttention:
         return out[:, rank * heads:(rank + 1) * heads]
 
     def _run_decode(self, group, q: torch.Tensor, kv_cache) -> torch.Tensor:
-        """Every rank's shard partial of ``q [B, Hq, D]``, packed with its LSE into
-        one buffer, all-gathered (``B`` is the same on every rank) and merged."""
-        n, (rows, hq, dim) = group.world_size, q.shape
-        size, lse_size = rows * hq * dim, rows * hq * 4 // self.dtype.itemsize
-        # Each rank's block starts 128-byte aligned, as the merge kernels' vector loads need.
-        block = -(-(size + lse_size) * self.dtype.itemsize // 128) * 128 // self.dtype.itemsize
-        send = torch.empty(block, dtype=self.dtype, device=q.device)
-        out = send[:size].view(rows, hq, dim)
-        lse = send[size:size + lse_size].view(torch.float32).view(rows, hq)
+        """Every rank's shard partial of ``q [B, Hq, D]``, gathered and merged
+        (``B`` is the same on every rank)."""
+        send, out, lse = self._partials(q.shape[0], q)
         self._decode_now.run(q, kv_cache, out=out, lse=lse, return_lse=True)
-        recv = group.all_gather(send, dim=0).view(n, block)
+        return self._gather_merged(group, send, q.shape)[0]
+
+    def _partials(self, rows: int, q: torch.Tensor):
+        """One buffer for ``rows`` partial states, so that a single all-gather moves
+        outputs and LSEs: ``(send, out [rows, Hq, D], lse [rows, Hq] float32)``, the
+        last two views of ``send``, whose size keeps every rank's block 128-byte
+        aligned (the merge kernels' vector loads need it)."""
+        size, lse_size = self._partial_sizes(rows, q.shape)
+        send = torch.empty(-(-(size + lse_size) * self.dtype.itemsize // 128) * 128
+                           // self.dtype.itemsize, dtype=self.dtype, device=q.device)
+        return (send, send[:size].view(rows, *q.shape[1:]),
+                send[size:size + lse_size].view(torch.float32).view(rows, q.shape[1]))
+
+    def _partial_sizes(self, rows: int, shape) -> tuple[int, int]:
+        """Elements (of ``self.dtype``) of ``rows`` outputs and of their LSEs."""
+        return rows * shape[1] * shape[2], rows * shape[1] * 4 // self.dtype.itemsize
+
+    def _gather_merged(self, group, send: torch.Tensor, shape):
+        """All-gather every rank's :meth:`_partials` buffer and merge the states by
+        LSE: ``(out [rows, Hq, D], lse [rows, Hq])`` for ``shape = (rows, Hq, D)``."""
+        n, (rows, hq, dim) = group.world_size, shape
+        size, lse_size = self._partial_sizes(rows, shape)
+        recv = group.all_gather(send, dim=0).view(n, send.numel())
         outs = recv[:, :size].view(n, rows, hq, dim)
         lses = recv[:, size:size + lse_size].view(torch.float32).view(n, rows, hq)
         if n == 2:
-            return self._merge_state(outs[0], lses[0], outs[1], lses[1])[0]
+            return self._merge_state(outs[0], lses[0], outs[1], lses[1])
         return self._merge_states(outs.transpose(0, 1).contiguous(),
-                                  lses.transpose(0, 1).contiguous())[0]
+                                  lses.transpose(0, 1).contiguous())
 
     def _gather_context(self, group, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's stored context of the split requests: ``[N * Pc, Hkv, D]``
