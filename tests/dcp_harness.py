@@ -14,7 +14,7 @@ import torch
 from helpers import ThreadGroup
 from vllm_pcp.dcp_attention import DCPAttention
 from vllm_pcp.dcp_plan import build_dcp_plan
-from vllm_pcp.exchange import restore_hidden_states
+from vllm_pcp.exchange import gather_kv, restore_hidden_states
 from vllm_pcp.kv_shard import dcp_local_offset, dcp_local_seq_len, dcp_owner
 from vllm_pcp.reference import causal_attention
 
@@ -108,7 +108,7 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
         if graph_rows is not None:
             captured = _capture_like_vllm(attn, world, rank, interleave, graph_rows, table)
             q_step = torch.cat([q_step, torch.randn(max(0, graph_rows - len(q)), hq, dim).to(q_step)])
-        attn.plan(plan, table, graph_rows)
+        attn.plan(plan, table, graph_rows, kv_gathered=not heads_gathered)
         if graph_rows is not None:
             assert attn._decode_now is captured  # a replay runs the captured wrapper
         if heads_gathered:
@@ -118,7 +118,11 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
         if plan.decode is not None:  # the runner's decode step: step order, no restore
             return attn.run(group.rank(rank), q_step, None, None, cache).cpu()
         local = plan.pcp.local_token_indices.to(device)
-        out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_step, v_step, cache)
+        # the cache write's exchange: local new K/V, plus the context split chunks fetch
+        k_buf, v_buf = gather_kv(group.rank(rank), k_step[local], v_step[local],
+                                 plan.pcp.num_padded_tokens_per_rank, attn.local_context(cache),
+                                 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded)
+        out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_buf, v_buf, cache)
         restored = restore_hidden_states(group.rank(rank), out.reshape(out.shape[0], -1),
                                          plan.pcp.num_padded_tokens_per_rank,
                                          plan.pcp.restore_indices.to(device))

@@ -267,19 +267,22 @@ def test_dcp_inside_tp_as_cuda_graphs(float32_flashinfer):
 
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 8), (4, 16)])
-def test_context_gather_reads_the_same_tokens_in_both_cache_layouts(float32_flashinfer, world,
-                                                                    interleave):
+def test_context_rows_ride_in_the_kv_exchange_from_both_cache_layouts(float32_flashinfer, world,
+                                                                      interleave):
     """The K/V context exchange reads each rank's shard from the paged cache: NHD
     ``[pages, page, Hkv, D]`` and HND ``[pages, Hkv, page, D]`` (Hopper's) give the same
-    rows, every context token of the split requests once, in request order."""
+    rows, every context token of the split requests once, in request order; one
+    all-gather returns each rank's block as ``[P new rows | Pc context rows]``."""
     from dcp_harness import _paged_shard, make_batch
     from helpers import ThreadGroup
     from vllm_pcp.dcp_attention import DCPAttention, context_slots
     from vllm_pcp.dcp_plan import build_dcp_plan
+    from vllm_pcp.exchange import gather_kv
     from vllm_pcp.kv_shard import dcp_owner
 
     computed, scheduled, page_size = [300, 0, 45], [64, 7, 30], 16
     full, _ = make_batch(8, 2, 16, 0, computed, scheduled)
+    new_k = torch.randn(sum(scheduled), 2, 16)
     group = ThreadGroup(world)
 
     def rank_fn(rank):
@@ -287,26 +290,40 @@ def test_context_gather_reads_the_same_tokens_in_both_cache_layouts(float32_flas
                               context_exchange="keys")
         cache, table = _paged_shard(full, rank, world, interleave, page_size, "cpu",
                                     torch.float32)
-        got = []
+        contexts = []
         for layout, kv in (("NHD", cache), ("HND", tuple(c.transpose(1, 2).contiguous()
                                                            for c in cache))):
             attn = object.__new__(DCPAttention)
             attn._kv_layout, attn.plan_ = layout, plan
             attn.ctx_slots = context_slots(plan.ctx_gather, table, page_size)
-            got.append(attn._gather_context(group.rank(rank), kv))
-        return plan.ctx_gather, got
+            contexts.append(attn.local_context(kv))
+        local = new_k[plan.pcp.local_token_indices]
+        k_buf, v_buf = gather_kv(group.rank(rank), local, -local,
+                                 plan.pcp.num_padded_tokens_per_rank, contexts[0],
+                                 plan.ctx_gather.num_padded)
+        return plan, contexts, k_buf, v_buf
 
     results = group.run(rank_fn)
-    padded = results[0][0].num_padded
-    for gather, ((k_nhd, v_nhd), (k_hnd, v_hnd)) in results:
-        assert torch.equal(k_nhd, k_hnd) and torch.equal(v_nhd, v_hnd)
-        assert k_nhd.shape == (world * padded, 2, 16)
-    k_all = results[0][1][0][0]  # rank 0's copy of the gathered rows
+    plan0 = results[0][0]
+    padded, ctx_rows = plan0.pcp.num_padded_tokens_per_rank, plan0.ctx_gather.num_padded
+    for plan, (nhd, hnd), k_buf, v_buf in results:
+        assert torch.equal(nhd, hnd) and nhd.shape[1:] == (2, 2, 16)
+        assert k_buf.shape == (world * (padded + ctx_rows), 2, 16)
+        assert torch.equal(k_buf, results[0][2]) and torch.equal(v_buf, results[0][3])
+    blocks_k = results[0][2].view(world, padded + ctx_rows, 2, 16)
+    blocks_v = results[0][3].view(world, padded + ctx_rows, 2, 16)
     for rank in range(world):
-        block, start = k_all[rank * padded:(rank + 1) * padded], 0
-        for req in results[rank][0].req.tolist():
+        plan = results[rank][0]
+        mine = plan.pcp.local_token_indices
+        torch.testing.assert_close(blocks_k[rank, :len(mine)], new_k[mine])
+        torch.testing.assert_close(blocks_v[rank, :len(mine)], -new_k[mine])
+        start = padded
+        for req in plan.ctx_gather.req.tolist():
             pos = torch.arange(computed[req])
-            mine = pos[dcp_owner(pos, world, interleave) == rank]
-            torch.testing.assert_close(block[start:start + len(mine)], full[req][0][mine])
-            start += len(mine)
-        assert not block[start:].any()  # padding
+            stored = pos[dcp_owner(pos, world, interleave) == rank]
+            torch.testing.assert_close(blocks_k[rank, start:start + len(stored)],
+                                       full[req][0][stored])
+            torch.testing.assert_close(blocks_v[rank, start:start + len(stored)],
+                                       full[req][1][stored])
+            start += len(stored)
+        assert start - padded == int(plan.ctx_gather.local_len.sum())

@@ -144,3 +144,37 @@ def test_auto_moves_keys_only_when_they_are_fewer_bytes():
                           kv_to_q_heads=0.01).ctx_gather is None
     with pytest.raises(ValueError, match="context_exchange"):
         build_dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="kv")
+
+
+@pytest.mark.parametrize("world,interleave,exchange", [(2, 1, "keys"), (2, 8, "queries"),
+                                                       (4, 16, "keys"), (3, 4, "keys")])
+def test_gathered_index_reads_the_exchange_buffer_as_the_step_index_reads_step_order(
+        world, interleave, exchange):
+    """Every rank sends its local tokens' ids (and, fetching context, ids T + c of the
+    context rows it stores) through the real K/V exchange; the buffer read at
+    ``new_kv_gathered_index`` must give ``new_kv_token_index``."""
+    from helpers import ThreadGroup
+    from vllm_pcp.exchange import gather_kv
+
+    computed, scheduled = [300, 0, 45, 7], [64, 7, 30, 1]
+    num_tokens = sum(scheduled)
+    group = ThreadGroup(world)
+
+    def rank_fn(rank):
+        plan = build_dcp_plan(computed, scheduled, world, rank, interleave, min_split_tokens=2,
+                              context_exchange=exchange)
+        ids = plan.pcp.local_token_indices.double().view(-1, 1, 1)
+        context, rows = None, 0
+        if plan.ctx_gather is not None:
+            rows = plan.ctx_gather.num_padded
+            n = int(plan.ctx_gather.local_len.sum())
+            c = num_tokens + rank * rows + torch.arange(n, dtype=torch.float64)
+            context = torch.stack((c, c), dim=1).view(n, 2, 1, 1)
+        k_buf, _ = gather_kv(group.rank(rank), ids, ids, plan.pcp.num_padded_tokens_per_rank,
+                             context, rows)
+        return plan, k_buf.view(-1)
+
+    for plan, buf in group.run(rank_fn):
+        assert (exchange == "keys") == (plan.ctx_gather is not None)
+        got = buf.index_select(0, plan.new_kv_gathered_index).long()
+        assert torch.equal(got, plan.new_kv_token_index)

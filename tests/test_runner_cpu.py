@@ -16,6 +16,7 @@ import vllm_pcp.backend as backend_mod
 import vllm_pcp.runner as runner_mod
 from helpers import ThreadGroup
 from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder, PCPKVExchange
+from vllm_pcp.exchange import gathered_slot_mapping
 from vllm_pcp.partition import build_pcp_metadata
 from vllm_pcp.runner import PCPModelRunner
 
@@ -256,7 +257,7 @@ def test_dcp_steps_plan_every_step_with_the_sharded_layout(monkeypatch):
     metadata = runner._build_attention_metadata(slot_mappings={0: slots})[0]
     md = metadata["l0"]
     assert md.plan is plan and torch.equal(md.block_table, BLOCKS[:4])
-    assert torch.equal(md.pcp_exchange.restore_indices, plan.pcp.restore_indices)
+    assert md.pcp_exchange.keep_step_kv and md.pcp_exchange.read_context is None
     gathered = runner._pcp_step.slot_mapping_by_layer["l0"]
     idx = plan.pcp.gathered_token_indices
     assert torch.equal(gathered[idx >= 0], slots[idx[idx >= 0]])
@@ -277,6 +278,14 @@ def test_the_context_exchange_knob_reaches_the_plan(monkeypatch, exchange, fetch
         assert plan.ctx_gather.req.tolist() == [3] and not len(plan.ctx_split.query_index)
     else:
         assert plan.ctx_gather is None and plan.ctx_split.req.tolist() == [3, 3, 3, 3]
+    # the cache write's slot mapping follows the exchange's buffer: context rows -1
+    runner._build_attention_metadata(slot_mappings={0: _global_slots()})
+    slots = runner._pcp_step.slot_mapping_by_layer["l0"]
+    padded = plan.pcp.num_padded_tokens_per_rank
+    blocks = slots.view(2, padded + (plan.ctx_gather.num_padded if fetched else 0))
+    assert (blocks[:, padded:] == -1).all()
+    assert torch.equal(blocks[:, :padded].reshape(-1), gathered_slot_mapping(
+        _global_slots(), plan.pcp.gathered_token_indices))
 
 
 def test_dcp_decode_steps_run_stock_with_the_plugins_attention(monkeypatch):
@@ -355,24 +364,42 @@ def test_dcp_graph_capture_plans_vllms_dummy_decode_batch():
 
 
 def test_dcp_kv_update_keeps_the_step_kv_for_attention(monkeypatch):
+    """The write keeps the exchange's buffer (gathered layout, not restored) for the
+    attention; with context to fetch, each rank's stored rows ride after its block."""
     group = ThreadGroup(2)
-    monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update", lambda *a: None)
+    written = []
+    monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update",
+                        lambda self, layer, k, v, cache, slots: written.append(k.shape[0]))
     monkeypatch.setattr(backend_mod, "_current_exchange", lambda layer: layer.exchange)
     plans = [build_pcp_metadata(COMPUTED, SCHEDULED, 2, r, min_split_tokens=4) for r in range(2)]
+    padded, restore = plans[0].num_padded_tokens_per_rank, plans[0].restore_indices
     k_all = torch.randn(sum(SCHEDULED), 1, 4)
+    stored = [torch.randn(n, 2, 1, 4) for n in (3, 2)]  # each rank's context rows
 
-    def rank_fn(rank):
-        ex = PCPKVExchange(group.rank(rank), plans[0].num_padded_tokens_per_rank,
-                           restore_indices=plans[0].restore_indices)
+    def rank_fn(rank, context_rows):
+        ex = PCPKVExchange(group.rank(rank), padded, keep_step_kv=True,
+                           num_context_rows=context_rows)
+        if context_rows:
+            ex.read_context = lambda kv: stored[rank] if kv == "views" else None
         local = plans[rank].local_token_indices
         impl = object.__new__(PCPFlashInferImpl)
-        impl.pcp_world_size = 2
+        impl.pcp_world_size, impl._kv_views = 2, lambda kv_cache: "views"
         impl.do_kv_cache_update(
-            SimpleNamespace(exchange=ex), k_all[local], -k_all[local], None, None)
+            SimpleNamespace(exchange=ex), k_all[local], -k_all[local], "cache", None)
         return ex.step_kv
 
-    for k_step, v_step in group.run(rank_fn):
-        assert torch.equal(k_step, k_all) and torch.equal(v_step, -k_all)
+    for k_buf, v_buf in group.run(lambda r: rank_fn(r, 0)):
+        assert k_buf.shape[0] == 2 * padded
+        assert torch.equal(k_buf.index_select(0, restore), k_all)
+        assert torch.equal(v_buf.index_select(0, restore), -k_all)
+    for k_buf, v_buf in group.run(lambda r: rank_fn(r, 4)):
+        blocks = k_buf.view(2, padded + 4, 1, 4)
+        for rank in range(2):
+            assert torch.equal(blocks[rank, padded:padded + len(stored[rank])], stored[rank][:, 0])
+        rows = restore // padded * (padded + 4) + restore % padded
+        assert torch.equal(k_buf.index_select(0, rows), k_all)
+        assert torch.equal(v_buf.view(2, padded + 4, 1, 4)[1, padded:padded + 2], stored[1][:, 1])
+    assert written == [2 * padded] * 2 + [2 * (padded + 4)] * 2
 
 
 def test_dcp_forward_runs_the_planned_attention(monkeypatch):
@@ -428,8 +455,12 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
         def __init__(self, *args, **kwargs):
             made.append((args, kwargs))
 
-        def plan(self, plan, table, graph_rows=None):
+        def plan(self, plan, table, graph_rows=None, kv_gathered=True):
             self.planned = (plan, table, graph_rows)
+            self.kv_gathered = kv_gathered
+
+        def local_context(self, kv):
+            return kv
 
     import vllm.v1.attention.backends.utils as vllm_utils
 
@@ -445,7 +476,7 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=16),
         parallel_config=SimpleNamespace(prefill_context_parallel_size=2))
     builder.dcp_world_size = 2
-    plan = SimpleNamespace(num_local_tokens=7)
+    plan = SimpleNamespace(num_local_tokens=7, ctx_gather=None)
     first = builder.build_dcp(plan, "table", "group", "exchange")
     second = builder.build_dcp(plan, "table2", "group", None)
     assert made == [(("ws", 8, 2, 64, 16, torch.bfloat16, 0.125, "HND"),
@@ -456,12 +487,17 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
     assert second.num_local_tokens == 7 and second.group == "group"
     graph = builder.build_dcp(plan, "table3", "group", None, graph_rows=4)
     assert graph.num_local_tokens == 4 and graph.attention.planned == (plan, "table3", 4)
-    assert not graph.heads_gathered
+    assert not graph.heads_gathered and graph.attention.kv_gathered
+    # split chunks fetching their context: the exchange carries it
+    fetch = SimpleNamespace(num_local_tokens=7, ctx_gather=SimpleNamespace(num_padded=5))
+    exchange = PCPKVExchange("group", 8, keep_step_kv=True)
+    builder.build_dcp(fetch, "table", "group", exchange)
+    assert exchange.num_context_rows == 5 and exchange.read_context("kv") == "kv"
     # DCP inside TP (PCP = 1): the attention takes the DCP group's query heads
     builder._dcp_attention = None
     builder.vllm_config.parallel_config.prefill_context_parallel_size = 1
     tp = builder.build_dcp(plan, "table", "group", None)
-    assert made[-1][0][1] == 16 and tp.heads_gathered
+    assert made[-1][0][1] == 16 and tp.heads_gathered and not tp.attention.kv_gathered
 
 
 def _tp_dcp_runner(monkeypatch, computed, scheduled):

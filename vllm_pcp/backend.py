@@ -3,8 +3,9 @@
 On a PCP step the runner hands every layer local attention rows (each rank's
 DualChunkSwap chunks) and, through the forward context, a slot mapping of the
 *gathered* layout. The KV write then becomes: all-gather the new K/V of every
-rank (one collective of ``N * P`` rows), write them into this rank's paged
-cache (slots of tokens another DCP rank owns are -1). With DCP = 1 attention
+rank (one collective of ``N * P`` rows; with DCP also the context rows that
+split chunks fetch, ``N * Pc``), write them into this rank's paged cache
+(slots of tokens another DCP rank owns, and of context rows, are -1). With DCP = 1 attention
 is FlashInfer's own: each local chunk attends causally over the paged cache,
 and the bottom-right causal mask places the chunk at its absolute offset. With
 DCP == PCP the cache holds a shard only, and :mod:`vllm_pcp.dcp_attention`
@@ -15,6 +16,7 @@ as stock FlashInfer.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +32,18 @@ from vllm_pcp.exchange import gather_kv
 class PCPKVExchange:
     """What a layer needs for the KV exchange of one PCP step.
 
-    With ``restore_indices`` set (DCP), the cache write also keeps this
-    layer's gathered K/V in step order in ``step_kv`` for the attention that
-    follows it; the next layer's write replaces it.
+    With ``keep_step_kv`` (DCP) the cache write also keeps this layer's gathered
+    K/V buffer in ``step_kv`` for the attention that follows it (the next
+    layer's write replaces it). With ``read_context`` the buffer also carries
+    the context rows each rank stores for the split chunks (``num_context_rows``
+    per rank), read from the layer's cache before the write.
     """
 
     group: object  # vLLM GroupCoordinator of the PCP ranks
     num_padded_tokens_per_rank: int  # P, identical on every rank
-    restore_indices: torch.Tensor | None = None  # [T], device
+    keep_step_kv: bool = False
+    num_context_rows: int = 0  # Pc, identical on every rank
+    read_context: Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
     step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -60,12 +66,21 @@ class PCPFlashInferImpl(FlashInferImpl):
                            slot_mapping: torch.Tensor) -> None:
         exchange = _current_exchange(layer) if self.pcp_world_size > 1 else None
         if exchange is not None:
+            context = (None if exchange.read_context is None
+                       else exchange.read_context(self._kv_views(kv_cache)))
             key, value = gather_kv(exchange.group, key, value,
-                                   exchange.num_padded_tokens_per_rank)
-            if exchange.restore_indices is not None:
-                exchange.step_kv = (key.index_select(0, exchange.restore_indices),
-                                    value.index_select(0, exchange.restore_indices))
+                                   exchange.num_padded_tokens_per_rank, context,
+                                   exchange.num_context_rows)
+            if exchange.keep_step_kv:
+                exchange.step_kv = (key, value)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+    def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's paged (K, V) in the cache layout FlashInfer reads. Zero-copy;
+        a 1-kv-head cache gets TMA-legal strides, as vLLM's forward does."""
+        cache = canonicalize_singleton_dim_strides(
+            kv_cache.permute(*FlashInferBackend.get_kv_cache_stride_order()))
+        return cache.split(self.head_size, dim=-1)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -81,10 +96,7 @@ class PCPFlashInferImpl(FlashInferImpl):
             raise NotImplementedError("PCP x DCP does not fuse output quantization")
         exchange, n = attn_metadata.pcp_exchange, attn_metadata.num_local_tokens
         k_step, v_step = (None, None) if exchange is None else exchange.step_kv
-        # Zero-copy; a 1-kv-head cache gets TMA-legal strides, as vLLM's forward does.
-        cache = canonicalize_singleton_dim_strides(
-            kv_cache.permute(*FlashInferBackend.get_kv_cache_stride_order()))
-        kv = cache.split(self.head_size, dim=-1)
+        kv = self._kv_views(kv_cache)
         if attn_metadata.heads_gathered:  # every rank holds the step's K/V: the layer's
             out = attn_metadata.attention.run_heads_gathered(
                 attn_metadata.group, query[:n], key[:n], value[:n], kv)
@@ -139,7 +151,11 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 self.head_dim, self.page_size, self.q_data_type_prefill,
                 self.global_hyperparameters.sm_scale, get_kv_cache_layout(),
                 max_graph_rows=_max_decode_graph_rows(self.vllm_config))
-        self._dcp_attention.plan(plan, block_table, graph_rows)
+        self._dcp_attention.plan(plan, block_table, graph_rows,
+                                 kv_gathered=not _heads_gathered(self))
+        if exchange is not None and plan.ctx_gather is not None:  # context rides along
+            exchange.num_context_rows = plan.ctx_gather.num_padded
+            exchange.read_context = self._dcp_attention.local_context
         return PCPDCPMetadata(self._dcp_attention, group, exchange,
                               graph_rows or plan.num_local_tokens, _heads_gathered(self))
 

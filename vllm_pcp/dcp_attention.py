@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from vllm_pcp.dcp_plan import AttentionRows, ContextGather, DCPAttentionPlan
-from vllm_pcp.exchange import all_gather_padded, all_to_all, gather_kv
+from vllm_pcp.exchange import all_gather_padded, all_to_all
 
 
 def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
@@ -118,13 +118,16 @@ class DCPAttention:
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor,
-             graph_rows: int | None = None) -> None:
+             graph_rows: int | None = None, kv_gathered: bool = True) -> None:
         """Plan the step's kernels; every index the layers use goes to the device here.
 
         ``block_table``: ``[num_reqs, max_pages]`` int32 on the GPU. Index
         arguments stay on the CPU (FlashInfer plans on the host). ``graph_rows``
         (decode steps only): the step replays, or captures, the full CUDA graph
         of that many rows; rows past the batch are padding without keys.
+        ``kv_gathered``: :meth:`run` gets the step's K/V as the K/V exchange's
+        buffer (:func:`vllm_pcp.exchange.gather_kv`, context rows included);
+        False: in step order (DCP inside TP, where nothing is split).
         """
         dev = block_table.device
         hq, hkv, dim = self.heads
@@ -138,7 +141,8 @@ class DCPAttention:
         def to_dev(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.to(dev, non_blocking=True)
 
-        self.new_kv_index = to_dev(plan.new_kv_token_index)
+        self.new_kv_index = to_dev(plan.new_kv_gathered_index if kv_gathered
+                                   else plan.new_kv_token_index)
         self.ctx_slots = (None if plan.ctx_gather is None else
                           context_slots(plan.ctx_gather, block_table, self.page_size))
         self.local_index = to_dev(plan.pcp.local_token_indices)
@@ -239,14 +243,13 @@ class DCPAttention:
 
     def run(self, group, q_local: torch.Tensor, k_step: torch.Tensor, v_step: torch.Tensor,
             kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``q_local [L, Hq, D]``, ``k_step/v_step [T, Hkv, D]`` (step order),
-        ``kv_cache`` this rank's paged (K, V) in ``kv_layout``. Returns ``[L, Hq, D]``.
-        On a decode step ``q_local`` is the step's tokens and K/V are not read."""
+        """``q_local [L, Hq, D]``; ``k_step/v_step``: the K/V exchange's buffer
+        ``[N * (P + Pc), Hkv, D]`` (split rows' context included, see :meth:`plan`),
+        or ``[T, Hkv, D]`` in step order; ``kv_cache`` this rank's paged (K, V) in
+        ``kv_layout``. Returns ``[L, Hq, D]``. On a decode step ``q_local`` is the
+        step's tokens and K/V are not read."""
         if self.plan_.decode is not None:
             return self._run_decode(group, q_local, kv_cache)
-        if self.ctx_slots is not None:  # split rows' context: K/V rows after the step's
-            k_ctx, v_ctx = self._gather_context(group, kv_cache)
-            k_step, v_step = torch.cat((k_step, k_ctx)), torch.cat((v_step, v_ctx))
         out, lse = self._new.run(q_local, k_step.index_select(0, self.new_kv_index),
                                  v_step.index_select(0, self.new_kv_index),
                                  out=self._out_like(q_local), return_lse=True)
@@ -324,16 +327,19 @@ class DCPAttention:
         return self._merge_states(outs.transpose(0, 1).contiguous(),
                                   lses.transpose(0, 1).contiguous())
 
-    def _gather_context(self, group, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's stored context of the split requests: ``[N * Pc, Hkv, D]``
-        K and V, rank 0's block first (:class:`vllm_pcp.dcp_plan.ContextGather`)."""
+    def local_context(self, kv_cache) -> torch.Tensor | None:
+        """The context K/V this rank stores for the step's split chunks, to send
+        with its new K/V (:func:`vllm_pcp.exchange.gather_kv`): ``[Lc, 2, Hkv, D]``
+        in the order of :class:`vllm_pcp.dcp_plan.ContextGather`; None without."""
+        if self.ctx_slots is None:
+            return None
         page, slot = self.ctx_slots
         k_cache, v_cache = kv_cache
         if self._kv_layout == "HND":  # [pages, Hkv, page_size, D]
             k, v = k_cache[page, :, slot], v_cache[page, :, slot]
         else:  # [pages, page_size, Hkv, D]
             k, v = k_cache[page, slot], v_cache[page, slot]
-        return gather_kv(group, k, v, self.plan_.ctx_gather.num_padded)
+        return torch.stack((k, v), dim=1)
 
     def _no_context(self, rows: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Partial states of ``rows`` queries that saw no keys: zero output,

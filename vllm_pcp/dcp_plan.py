@@ -18,7 +18,8 @@ computed before this step needs two pieces of keys::
     result            merge(context, new)
 
 Split rows can instead fetch their context (``context_exchange="keys"``): every
-rank all-gathers the context K/V it stores of the split requests, and a split
+rank sends the context K/V it stores of the split requests in the same
+all-gather as its new K/V (``[P new | Pc context]`` rows per rank), and a split
 row attends causally to ``context + new`` in the new-part call, with nothing to
 merge. That moves ``N * Pc`` K/V rows instead of ``N * P`` queries out and
 partial outputs back (``Pc``: the most context tokens any rank stores), the
@@ -98,7 +99,9 @@ class DCPAttentionPlan:
     ``pcp`` is the step's PCP plan (local rows, gathered layout). The new part
     reads ``new_kv_token_index[new_kv_indptr[j]:new_kv_indptr[j + 1]]`` for local
     row j, causally: rows of ``[step K/V (T, step order); gathered context K/V
-    (N * Pc)]``, the latter only with ``ctx_gather``. ``ctx_split`` reads
+    (N * Pc)]``, the latter only with ``ctx_gather``. ``new_kv_gathered_index``
+    names the same keys as rows of the K/V exchange's buffer
+    (:func:`gathered_kv_index`), which the layers read without restoring it. ``ctx_split`` reads
     the all-gathered query buffer ``[N * P]``; ``ctx_replicated`` reads local
     queries, in an order that is the same on every rank. ``decode`` is set on a
     pure decode step only (:func:`is_folded_decode`): row i is request i, its
@@ -116,6 +119,7 @@ class DCPAttentionPlan:
     ctx_replicated: AttentionRows | None
     decode: AttentionRows | None = None
     ctx_gather: ContextGather | None = None
+    new_kv_gathered_index: torch.Tensor | None = None
 
     @property
     def num_local_tokens(self) -> int:
@@ -191,6 +195,37 @@ def _new_part(rows_req: np.ndarray, token_start: np.ndarray, new_lens: np.ndarra
         index = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
     indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     return torch.from_numpy(index.astype(np.int64)), torch.from_numpy(indptr)
+
+
+def gathered_kv_index(new_kv_token_index: torch.Tensor, restore_indices: torch.Tensor,
+                      num_padded_tokens_per_rank: int, num_context_rows: int) -> torch.Tensor:
+    """``new_kv_token_index`` as rows of the buffer one all-gather of every rank's
+    ``[P new K/V rows | Pc context rows]`` returns (:func:`vllm_pcp.exchange.gather_kv`).
+
+    Parameters
+    ----------
+    new_kv_token_index : torch.Tensor
+        ``[K]`` int64: ``t < T`` is step token t, ``T + c`` gathered context row c
+        (rank ``c // Pc``, its row ``c % Pc``).
+    restore_indices : torch.Tensor
+        ``[T]`` int64, gathered row ``r * P + j`` of each step token.
+    num_padded_tokens_per_rank, num_context_rows : int
+        ``P`` and ``Pc`` (0: no context rows), the same on every rank.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[K]`` int64 rows of the ``[N * (P + Pc)]`` buffer.
+    """
+    num_tokens, block = len(restore_indices), num_padded_tokens_per_rank + num_context_rows
+    index = new_kv_token_index.long()
+    is_new = index < num_tokens
+    new = restore_indices.long()[index.clamp(max=max(num_tokens - 1, 0))]
+    new = new // num_padded_tokens_per_rank * block + new % num_padded_tokens_per_rank
+    ctx = (index - num_tokens).clamp(min=0)
+    pc = max(num_context_rows, 1)
+    ctx = ctx // pc * block + num_padded_tokens_per_rank + ctx % pc
+    return torch.where(is_new, new, ctx)
 
 
 def min_folded_seq_len(world_size: int, interleave: int) -> int:
@@ -283,4 +318,6 @@ def build_dcp_plan(
         new_kv_token_index=new_index, new_kv_indptr=new_indptr,
         ctx_split=_rows(s_start, s_len, s_req, local_kv[s_req]),
         ctx_replicated=_rows(r_start[order], r_len[order], r_req[order], local_kv[r_req[order]]),
-        ctx_gather=gather)
+        ctx_gather=gather,
+        new_kv_gathered_index=gathered_kv_index(new_index, mine.restore_indices, padded,
+                                                0 if gather is None else gather.num_padded))

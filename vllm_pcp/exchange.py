@@ -24,9 +24,10 @@ def all_gather_padded(group, x: torch.Tensor, num_rows: int) -> torch.Tensor:
     return group.all_gather(_pad_rows(x, num_rows), dim=0)
 
 
-def gather_kv(group, key: torch.Tensor, value: torch.Tensor,
-              num_padded_tokens_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather this rank's new K/V in one collective.
+def gather_kv(group, key: torch.Tensor, value: torch.Tensor, num_padded_tokens_per_rank: int,
+              context: torch.Tensor | None = None,
+              num_context_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather this rank's new K/V, and the context rows it stores, in one collective.
 
     Parameters
     ----------
@@ -34,16 +35,40 @@ def gather_kv(group, key: torch.Tensor, value: torch.Tensor,
         ``[L, Hkv, D]`` for this rank's ``L <= P`` local tokens.
     num_padded_tokens_per_rank : int
         ``P``, identical on every rank.
+    context : torch.Tensor, optional
+        ``[Lc, 2, Hkv, D]``, K and V of the context tokens this rank stores for
+        the step's split chunks (PCP x DCP, ``Lc <= Pc``).
+    num_context_rows : int
+        ``Pc``, identical on every rank; 0 without ``context``.
 
     Returns
     -------
     tuple of torch.Tensor
-        ``[N * P, Hkv, D]`` each, in the gathered layout of
-        :class:`vllm_pcp.partition.PrefillContextParallelMetadata`.
+        ``[N * (P + Pc), Hkv, D]`` each: rank r's ``P`` new rows (the gathered
+        layout of :class:`vllm_pcp.partition.PrefillContextParallelMetadata`)
+        then its ``Pc`` context rows, rank 0 first. Padding rows are not written
+        (they are never read: the cache write skips them by slot -1).
     """
-    gathered = all_gather_padded(group, torch.stack((key, value), dim=1),
-                                 num_padded_tokens_per_rank)
+    if context is None:
+        gathered = all_gather_padded(group, torch.stack((key, value), dim=1),
+                                     num_padded_tokens_per_rank)
+        return gathered[:, 0], gathered[:, 1]
+    num_new = num_padded_tokens_per_rank
+    send = key.new_empty((num_new + num_context_rows, 2, *key.shape[1:]))
+    send[:len(key), 0], send[:len(key), 1] = key, value
+    send[num_new:num_new + len(context)] = context
+    gathered = group.all_gather(send, dim=0)
     return gathered[:, 0], gathered[:, 1]
+
+
+def with_context_rows(gathered_token_indices: torch.Tensor, num_padded_tokens_per_rank: int,
+                      num_context_rows: int) -> torch.Tensor:
+    """``gathered_token_indices`` (``[N * P]``) laid out as :func:`gather_kv`'s
+    buffer with ``Pc`` context rows after each rank's block, those marked -1
+    (nothing to write): ``[N * (P + Pc)]``."""
+    blocks = gathered_token_indices.view(-1, num_padded_tokens_per_rank)
+    pad = blocks.new_full((blocks.shape[0], num_context_rows), -1)
+    return torch.cat((blocks, pad), dim=1).reshape(-1)
 
 
 def restore_hidden_states(group, hidden_states: torch.Tensor,

@@ -57,7 +57,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm_pcp.backend import PCPFlashInferMetadataBuilder, PCPKVExchange
 from vllm_pcp.config import PCPKnobs, min_split_tokens
 from vllm_pcp.dcp_plan import DCPAttentionPlan, build_dcp_plan, min_folded_seq_len
-from vllm_pcp.exchange import gathered_slot_mapping, restore_hidden_states
+from vllm_pcp.exchange import (gathered_slot_mapping, restore_hidden_states,
+                               with_context_rows)
 from vllm_pcp.partition import (PrefillContextParallelMetadata, build_pcp_metadata,
                                 split_requests)
 
@@ -168,7 +169,11 @@ class PCPModelRunner(GPUModelRunner):
         """Per-layer PCP x DCP metadata and the step's ``_PCPStep``. vLLM's slot
         mapping already holds -1 for tokens another DCP rank owns."""
         dev, pcp = self.device, plan.pcp
-        gathered = pcp.gathered_token_indices.to(dev, non_blocking=True)
+        gathered = pcp.gathered_token_indices
+        if plan.ctx_gather is not None:  # context rows ride in the K/V exchange's buffer
+            gathered = with_context_rows(gathered, pcp.num_padded_tokens_per_rank,
+                                         plan.ctx_gather.num_padded)
+        gathered = gathered.to(dev, non_blocking=True)
         restore = pcp.restore_indices.to(dev, non_blocking=True)
         attn_metadata, slot_by_layer = {}, {}
         num_reqs = self.input_batch.num_reqs
@@ -178,7 +183,7 @@ class PCPModelRunner(GPUModelRunner):
             for attn_group in self.attn_groups[gid]:
                 builder = self._pcp_builder(attn_group)
                 exchange = PCPKVExchange(self.pcp_group, pcp.num_padded_tokens_per_rank,
-                                         restore_indices=restore)
+                                         keep_step_kv=True)
                 metadata = builder.build_dcp(plan, table, self.dcp_group, exchange)
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata
