@@ -261,6 +261,7 @@ class DCPAttention:
         rep_index = self.rep_index
         if len(rep_index):
             send, rep_out, rep_lse = self._partials(len(rep_index), q_local)
+            rep_out, rep_lse = rep_out[0], rep_lse[0]
             rep_out.zero_(), rep_lse.fill_(float("-inf"))  # rows that see no keys here
             for wrapper, query, slot in self.rep_calls:
                 q_rep = q_local.index_select(0, query)
@@ -296,32 +297,38 @@ class DCPAttention:
         """Every rank's shard partial of ``q [B, Hq, D]``, gathered and merged
         (``B`` is the same on every rank)."""
         send, out, lse = self._partials(q.shape[0], q)
-        self._decode_now.run(q, kv_cache, out=out, lse=lse, return_lse=True)
+        self._decode_now.run(q, kv_cache, out=out[0], lse=lse[0], return_lse=True)
         return self._gather_merged(group, send, q.shape)[0]
 
-    def _partials(self, rows: int, q: torch.Tensor):
-        """One buffer for ``rows`` partial states, so that a single all-gather moves
-        outputs and LSEs: ``(send, out [rows, Hq, D], lse [rows, Hq] float32)``, the
-        last two views of ``send``, whose size keeps every rank's block 128-byte
-        aligned (the merge kernels' vector loads need it)."""
-        size, lse_size = self._partial_sizes(rows, q.shape)
-        send = torch.empty(-(-(size + lse_size) * self.dtype.itemsize // 128) * 128
-                           // self.dtype.itemsize, dtype=self.dtype, device=q.device)
-        return (send, send[:size].view(rows, *q.shape[1:]),
-                send[size:size + lse_size].view(torch.float32).view(rows, q.shape[1]))
+    def _partials(self, rows: int, q: torch.Tensor, blocks: int = 1):
+        """One buffer for ``blocks`` blocks of ``rows`` partial states, so that one
+        collective moves outputs and LSEs: ``(send, out [blocks, rows, Hq, D],
+        lse [blocks, rows, Hq] float32)``, the last two views of ``send``. Each
+        block is 128-byte aligned (the merge kernels' vector loads need it)."""
+        send = torch.empty(blocks * self._block_numel(rows, q.shape), dtype=self.dtype,
+                           device=q.device)
+        return (send, *self._unpack(send, blocks, rows, q.shape))
 
-    def _partial_sizes(self, rows: int, shape) -> tuple[int, int]:
-        """Elements (of ``self.dtype``) of ``rows`` outputs and of their LSEs."""
-        return rows * shape[1] * shape[2], rows * shape[1] * 4 // self.dtype.itemsize
+    def _block_numel(self, rows: int, shape) -> int:
+        """Elements (of ``self.dtype``) of one block: ``rows`` outputs, their LSEs,
+        rounded up to 128 bytes."""
+        size = rows * shape[1] * (shape[2] + 4 // self.dtype.itemsize)
+        return -(-size * self.dtype.itemsize // 128) * 128 // self.dtype.itemsize
+
+    def _unpack(self, buf: torch.Tensor, blocks: int, rows: int, shape):
+        """Views ``(out [blocks, rows, Hq, D], lse [blocks, rows, Hq])`` of a buffer
+        of ``blocks`` blocks laid out by :meth:`_partials`."""
+        hq, dim = shape[1], shape[2]
+        size = rows * hq * dim
+        buf = buf.view(blocks, self._block_numel(rows, shape))
+        lse = buf[:, size:size + rows * hq * 4 // self.dtype.itemsize].view(torch.float32)
+        return buf[:, :size].view(blocks, rows, hq, dim), lse.view(blocks, rows, hq)
 
     def _gather_merged(self, group, send: torch.Tensor, shape):
-        """All-gather every rank's :meth:`_partials` buffer and merge the states by
-        LSE: ``(out [rows, Hq, D], lse [rows, Hq])`` for ``shape = (rows, Hq, D)``."""
-        n, (rows, hq, dim) = group.world_size, shape
-        size, lse_size = self._partial_sizes(rows, shape)
-        recv = group.all_gather(send, dim=0).view(n, send.numel())
-        outs = recv[:, :size].view(n, rows, hq, dim)
-        lses = recv[:, size:size + lse_size].view(torch.float32).view(n, rows, hq)
+        """All-gather every rank's :meth:`_partials` buffer (one block) and merge the
+        states by LSE: ``(out [rows, Hq, D], lse [rows, Hq])``, ``shape = (rows, Hq, D)``."""
+        n = group.world_size
+        outs, lses = self._unpack(group.all_gather(send, dim=0), n, shape[0], shape)
         if n == 2:
             return self._merge_state(outs[0], lses[0], outs[1], lses[1])
         return self._merge_states(outs.transpose(0, 1).contiguous(),
@@ -341,12 +348,6 @@ class DCPAttention:
             k, v = k_cache[page, slot], v_cache[page, slot]
         return torch.stack((k, v), dim=1)
 
-    def _no_context(self, rows: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial states of ``rows`` queries that saw no keys: zero output,
-        LSE ``-inf`` (a merge ignores them)."""
-        out = q.new_zeros((rows, *q.shape[1:]), dtype=self.dtype)
-        return out, torch.full((rows, q.shape[1]), float("-inf"), device=q.device)
-
     def _out_like(self, q: torch.Tensor) -> torch.Tensor:
         """An output buffer for one kernel's partial states."""
         return torch.empty(q.shape, dtype=self.dtype, device=q.device)
@@ -356,18 +357,20 @@ class DCPAttention:
         to their owners by all-to-all, merged into ``out``/``lse`` in place."""
         n, padded = group.world_size, self.plan_.pcp.num_padded_tokens_per_rank
         q_all = all_gather_padded(group, q_local, padded)
-        part_out, part_lse = self._no_context(n * padded, q_local)
+        # block q of the buffer: partials of rank q's queries, outputs and LSEs together
+        send, part_out, part_lse = self._partials(padded, q_local, blocks=n)
+        part_out.zero_(), part_lse.fill_(float("-inf"))  # queries that see no keys here
         if self.split_query is not None:
             q_split = q_all.index_select(0, self.split_query)
             o, s = self._split.run(q_split, kv_cache, out=self._out_like(q_split),
                                    return_lse=True)
-            part_out[self.split_query], part_lse[self.split_query] = o, s
-        recv_out, recv_lse = all_to_all(group, part_out), all_to_all(group, part_lse)
+            owner, row = self.split_query // padded, self.split_query % padded
+            part_out[owner, row], part_lse[owner, row] = o, s
+        recv_out, recv_lse = self._unpack(all_to_all(group, send), n, padded, q_local.shape)
         mine = self.owned_split
         if mine is not None:
-            ctx_o, ctx_s = self._merge_states(
-                recv_out.view(n, padded, *q_local.shape[1:])[:, mine].transpose(0, 1).contiguous(),
-                recv_lse.view(n, padded, -1)[:, mine].transpose(0, 1).contiguous())
+            ctx_o, ctx_s = self._merge_states(recv_out[:, mine].transpose(0, 1).contiguous(),
+                                              recv_lse[:, mine].transpose(0, 1).contiguous())
             out[mine], lse[mine] = self._merge_state(ctx_o, ctx_s, out[mine], lse[mine])
 
 
