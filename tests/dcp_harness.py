@@ -119,9 +119,10 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
             return attn.run(group.rank(rank), q_step, None, None, cache).cpu()
         local = plan.pcp.local_token_indices.to(device)
         # the cache write's exchange: local new K/V, plus the context split chunks fetch
+        context_rows = 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded
         k_buf, v_buf = gather_kv(group.rank(rank), k_step[local], v_step[local],
-                                 plan.pcp.num_padded_tokens_per_rank, attn.local_context(cache),
-                                 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded)
+                                 plan.pcp.num_padded_tokens_per_rank,
+                                 attn.local_context(cache), context_rows)
         out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_buf, v_buf, cache)
         restored = restore_hidden_states(group.rank(rank), out.reshape(out.shape[0], -1),
                                          plan.pcp.num_padded_tokens_per_rank,

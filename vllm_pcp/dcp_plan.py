@@ -101,8 +101,8 @@ class DCPAttentionPlan:
     row j, causally: rows of ``[step K/V (T, step order); gathered context K/V
     (N * Pc)]``, the latter only with ``ctx_gather``. ``new_kv_gathered_index``
     names the same keys as rows of the K/V exchange's buffer
-    (:func:`gathered_kv_index`), which the layers read without restoring it. ``ctx_split`` reads
-    the all-gathered query buffer ``[N * P]``; ``ctx_replicated`` reads local
+    (:func:`gathered_kv_index`), which the layers read without restoring it.
+    ``ctx_split`` reads the all-gathered query buffer ``[N * P]``; ``ctx_replicated`` reads local
     queries, in an order that is the same on every rank. ``decode`` is set on a
     pure decode step only (:func:`is_folded_decode`): row i is request i, its
     query is step token i, and ``kv_len`` counts the shard's tokens with the

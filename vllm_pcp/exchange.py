@@ -46,8 +46,9 @@ def gather_kv(group, key: torch.Tensor, value: torch.Tensor, num_padded_tokens_p
     tuple of torch.Tensor
         ``[N * (P + Pc), Hkv, D]`` each: rank r's ``P`` new rows (the gathered
         layout of :class:`vllm_pcp.partition.PrefillContextParallelMetadata`)
-        then its ``Pc`` context rows, rank 0 first. Padding rows are not written
-        (they are never read: the cache write skips them by slot -1).
+        then its ``Pc`` context rows, rank 0 first. With ``context`` the padding
+        rows are left unset: the cache write skips them (slot -1) and attention
+        indexes past them.
     """
     if context is None:
         gathered = all_gather_padded(group, torch.stack((key, value), dim=1),
