@@ -8,10 +8,10 @@ split chunks fetch, ``N * Pc``), write them into this rank's paged cache
 (slots of tokens another DCP rank owns, and of context rows, are -1). With
 DCP = 1 attention is FlashInfer's own: each local chunk attends causally over
 the paged cache, and the bottom-right causal mask places the chunk at its
-absolute offset. With
-DCP == PCP the cache holds a shard only, and :mod:`vllm_pcp.dcp_attention`
-runs the step; so it does for DCP inside TP at PCP = 1 (``-tp N -dcp N`` with
-FLASHINFER named), whose ranks hold every token and their own query heads.
+absolute offset. With DCP == PCP the cache holds a shard only, and
+:mod:`vllm_pcp.dcp_attention` runs the step; so it does for DCP inside TP at
+PCP = 1 (``-tp N -dcp N`` with FLASHINFER named), whose ranks hold every token
+and their own query heads.
 Steps without split prefills at DCP = 1, and PCP = 1 without DCP, run exactly
 as stock FlashInfer.
 """
