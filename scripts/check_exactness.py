@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,6 +26,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from exactness_lib import compare_outputs  # noqa: E402
 from gpu_runs import run_worker, versions  # noqa: E402
+from kv_capacity import kv_capacity  # noqa: E402
 
 SMALL_POOL_TOKENS = 20480
 CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
@@ -262,7 +262,7 @@ def compare(args) -> None:
     if args.bench_raw:
         with open(args.bench_raw) as f:
             bench_runs = json.load(f)["runs"]
-    capacity = _kv_capacity(runs, bench_runs, args.serve_logs)
+    capacity = kv_capacity(runs, bench_runs, args.serve_logs)
     if capacity:
         result["kv_capacity"] = capacity
     with open(args.out, "w") as f:
@@ -291,67 +291,6 @@ def _summarize(cases: list[dict]) -> dict:
             "max_baseline_margin_at_divergence": max(
                 (c["max_baseline_margin"] for c in cases if "max_baseline_margin" in c),
                 default=None)}
-
-
-def _kv_capacity(runs: dict, bench_runs: list | None = None,
-                 serve_logs: list[str] | None = None) -> dict:
-    """KV pool (tokens) of pcp2 and pcp2-dcp2: from two ``vllm serve`` logs (vLLM's
-    own "GPU KV cache size", both at vLLM's default gpu_memory_utilization), else a
-    bench_pcp.py raw run (both at its gpu_memory_utilization), else the first pair
-    of exactness runs of the same model and variant (the fixed pool of
-    ``--kv-cache-gib``). ``beyond_one_gpu``: each small-pool run, with its per-rank
-    pool and longest prompt."""
-    bench = {r["config"]: r["kv_capacity_tokens"] for r in bench_runs or []
-             if "kv_capacity_tokens" in r}
-    # pcp2-min8k differs from pcp2 only in which prefills it splits: the same pool
-    pcp2 = next((c for c in ("pcp2", "pcp2-min8k") if c in bench), None)
-    # and the pcp2-dcp2 variants only in how a split chunk reaches its context
-    dcp = next((c for c in ("pcp2-dcp2", "pcp2-dcp2-keys", "pcp2-dcp2-queries")
-                if c in bench), None)
-    if serve_logs:
-        tokens = [kv_pool_in_log(path) for path in serve_logs]
-        out = {"source": "vllm serve logs (pcp2, pcp2-dcp2): vLLM's 'GPU KV cache size', "
-                         "default gpu_memory_utilization",
-               "pcp2_tokens": tokens[0], "pcp2_dcp2_tokens": tokens[1],
-               "ratio": round(tokens[1] / tokens[0], 4)}
-    elif pcp2 and dcp:
-        out = {"source": f"bench_pcp.py ({pcp2}, {dcp}), gpu_memory_utilization 0.85",
-               "pcp2_tokens": bench[pcp2], "pcp2_dcp2_tokens": bench[dcp],
-               "ratio": round(bench[dcp] / bench[pcp2], 4)}
-    else:
-        out = _fixed_pool_capacity(runs)
-    small = [{"model": model, "variant": variant, "config": config,
-              "per_rank_pool_tokens": run["kv_capacity_tokens"] // 2,
-              "longest_prompt": max(n for r in run["results"] for n in r["prompt_lens"])}
-             for (model, variant, config), run in sorted(runs.items())
-             if config.endswith("-smallpool") and run.get("results")
-             and "kv_capacity_tokens" in run]
-    if small:
-        out["beyond_one_gpu"] = small
-    return out
-
-
-def kv_pool_in_log(path: str) -> int:
-    """The KV pool in tokens that a ``vllm serve`` log reports."""
-    with open(path) as f:
-        found = re.findall(r"GPU KV cache size: ([\d,]+) tokens", f.read())
-    if not found:
-        raise ValueError(f"{path}: no 'GPU KV cache size' line")
-    return int(found[-1].replace(",", ""))
-
-
-def _fixed_pool_capacity(runs: dict) -> dict:
-    """The first pcp2-dcp2 run and the pcp2 run of its model and variant, both at
-    the fixed pool of ``--kv-cache-gib``."""
-    for (model, variant, config), run in sorted(runs.items()):
-        base = runs.get((model, variant, "pcp2"), {})
-        if config.startswith("pcp2-dcp2") and "kv_capacity_tokens" in run and \
-                "kv_capacity_tokens" in base:
-            ratio = run["kv_capacity_tokens"] / base["kv_capacity_tokens"]
-            return {"model": model, "variant": variant,
-                    "pcp2_tokens": base["kv_capacity_tokens"],
-                    "pcp2_dcp2_tokens": run["kv_capacity_tokens"], "ratio": round(ratio, 4)}
-    return {}
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from exactness_lib import build_cases, compare_outputs  # noqa: E402
+from kv_capacity import kv_capacity, kv_pool_in_log  # noqa: E402
 
 
 def _out(tokens, tops):
@@ -79,19 +80,15 @@ def test_lanes_spread_one_gpu_jobs_over_gpus_and_keep_every_job():
 
 
 def test_kv_capacity_compares_dcp_with_pcp_alone():
-    import check_exactness as ce
-
     runs = {("m", "chunked", "pcp2"): {"kv_capacity_tokens": 1000},
             ("m", "chunked", "pcp2-dcp2-i8"): {"kv_capacity_tokens": 1990},
             ("m", "chunked", "pcp1"): {"kv_capacity_tokens": 1000}}
-    assert ce._kv_capacity(runs) == {"model": "m", "variant": "chunked", "pcp2_tokens": 1000,
-                                     "pcp2_dcp2_tokens": 1990, "ratio": 1.99}
-    assert ce._kv_capacity({("m", "chunked", "pcp2"): {"kv_capacity_tokens": 5}}) == {}
+    assert kv_capacity(runs) == {"model": "m", "variant": "chunked", "pcp2_tokens": 1000,
+                                 "pcp2_dcp2_tokens": 1990, "ratio": 1.99}
+    assert kv_capacity({("m", "chunked", "pcp2"): {"kv_capacity_tokens": 5}}) == {}
 
 
 def test_kv_capacity_prefers_the_benchmark_pools_and_lists_small_pool_runs():
-    import check_exactness as ce
-
     runs = {("m", "chunked", "pcp2"): {"kv_capacity_tokens": 1000},
             ("m", "chunked", "pcp2-dcp2-i8"): {"kv_capacity_tokens": 2000},
             ("m", "unchunked", "pcp2-dcp2-i8-smallpool"): {
@@ -100,18 +97,18 @@ def test_kv_capacity_prefers_the_benchmark_pools_and_lists_small_pool_runs():
             ("m", "unchunked", "pcp1-smallpool-failed"): {"kv_capacity_tokens": 1}}
     bench = [{"config": "pcp2", "kv_capacity_tokens": 300000},
              {"config": "pcp2-dcp2", "kv_capacity_tokens": 597000}, {"config": "tp2"}]
-    got = ce._kv_capacity(runs, bench)
+    got = kv_capacity(runs, bench)
     assert (got["pcp2_tokens"], got["pcp2_dcp2_tokens"], got["ratio"]) == (300000, 597000, 1.99)
     assert "gpu_memory_utilization" in got["source"]
     assert got["beyond_one_gpu"] == [{
         "model": "m", "variant": "unchunked", "config": "pcp2-dcp2-i8-smallpool",
         "per_rank_pool_tokens": 20480, "longest_prompt": 32768}]
-    assert ce._kv_capacity(runs)["pcp2_dcp2_tokens"] == 2000  # no bench: the fixed pools
+    assert kv_capacity(runs)["pcp2_dcp2_tokens"] == 2000  # no bench: the fixed pools
     bench[0]["config"] = "pcp2-min8k"  # the same pool as pcp2 (only the split threshold differs)
-    got = ce._kv_capacity(runs, bench)
+    got = kv_capacity(runs, bench)
     assert got["pcp2_tokens"] == 300000 and "pcp2-min8k" in got["source"]
     bench[1]["config"] = "pcp2-dcp2-keys"  # the same pool as pcp2-dcp2 (only the exchange)
-    got = ce._kv_capacity(runs, bench)
+    got = kv_capacity(runs, bench)
     assert got["pcp2_dcp2_tokens"] == 597000 and "pcp2-dcp2-keys" in got["source"]
 
 
@@ -195,8 +192,6 @@ def test_error_lines_keep_a_workers_root_cause_before_the_wrappers():
 
 
 def test_kv_capacity_from_serve_logs_comes_first(tmp_path):
-    import check_exactness as ce
-
     logs = []
     for name, tokens in (("pcp2", "3,492,672"), ("pcp2-dcp2", "6,938,944")):
         path = tmp_path / f"{name}-server.log"
@@ -205,13 +200,13 @@ def test_kv_capacity_from_serve_logs_comes_first(tmp_path):
         logs.append(str(path))
     bench = [{"config": "pcp2", "kv_capacity_tokens": 1},
              {"config": "pcp2-dcp2", "kv_capacity_tokens": 2}]
-    got = ce._kv_capacity({}, bench, logs)
+    got = kv_capacity({}, bench, logs)
     assert (got["pcp2_tokens"], got["pcp2_dcp2_tokens"], got["ratio"]) == (
         3492672, 6938944, 1.9867)
     assert "vllm serve" in got["source"]
     (tmp_path / "empty.log").write_text("no pool here\n")
     with pytest.raises(ValueError, match="GPU KV cache size"):
-        ce.kv_pool_in_log(str(tmp_path / "empty.log"))
+        kv_pool_in_log(str(tmp_path / "empty.log"))
 
 
 def test_text_prompts_are_real_text_windows_ending_in_a_question():
