@@ -93,7 +93,7 @@ def _compilation(args) -> dict:
     return {}
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--pcp", type=int, default=1)
@@ -119,8 +119,11 @@ def main() -> None:
                     help="fixed KV pool of this many tokens per rank (overrides "
                          "--kv-cache-memory-bytes)")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def main() -> None:
+    args = _parse_args()
     from vllm import LLM
 
     with open(os.path.join(args.model, "config.json")) as f:
