@@ -3,8 +3,10 @@
     python scripts/check_serve_chat.py --model /tmp/models/smollm2-135m \
         --git-rev REV --out tests/gpu/results/serve-chat-pcp.json
 
-Starts the server once per PCP size, sends the same greedy chat request, and
-a malformed one that must come back as a 4xx while the server keeps serving.
+Starts the server once per PCP size, sends the same greedy chat request, a
+malformed one that must come back as a 4xx while the server keeps serving, and
+long prompts whose clients hang up mid-prefill (the server aborts them; every
+rank must drop them in the same step, or the next request hangs or differs).
 """
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as "
             "many clips in May. How many clips did Natalia sell altogether in April and "
@@ -36,13 +40,44 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> No
     raise TimeoutError("server did not become healthy")
 
 
+ABORTED_PROMPTS, ABORTED_PROMPT_TOKENS, HANG_UP_AFTER_S = 4, 3500, 0.15
+MAX_NUM_BATCHED_TOKENS = 512  # a 3,500-token prompt prefills over 7+ steps
+
+
+def _greedy_chat(client, model: str, **kw):
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTION}], temperature=0.0,
+        max_tokens=64, **kw)
+
+
+def _hang_up_mid_prefill(port: int, model: str) -> int:
+    """Send long token-id prompts (distinct, so no prefix hits) and close each
+    connection after ``HANG_UP_AFTER_S``, long before their prefills end; returns
+    how many clients gave up waiting (the server aborts those requests)."""
+    from openai import APITimeoutError, OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                    timeout=HANG_UP_AFTER_S, max_retries=0)
+
+    def send(i: int) -> bool:
+        prompt = [(1000 + 7 * i + 13 * t) % 30000 + 100 for t in range(ABORTED_PROMPT_TOKENS)]
+        try:
+            client.completions.create(model=model, prompt=prompt, max_tokens=8)
+        except APITimeoutError:
+            return True
+        return False
+
+    with ThreadPoolExecutor(ABORTED_PROMPTS) as pool:
+        hung_up = sum(pool.map(send, range(ABORTED_PROMPTS)))
+    time.sleep(2)  # the aborts reach the engine
+    return hung_up
+
+
 def _ask(port: int, model: str) -> dict:
     from openai import BadRequestError, OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-    chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": QUESTION}],
-        temperature=0.0, max_tokens=64, logprobs=True, top_logprobs=5)
+    chat = _greedy_chat(client, model, logprobs=True, top_logprobs=5)
     choice = chat.choices[0]
     try:
         client.chat.completions.create(model=model, max_tokens=-5,
@@ -50,14 +85,23 @@ def _ask(port: int, model: str) -> dict:
         bad_status = 200
     except BadRequestError as exc:
         bad_status = exc.status_code
-    again = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": QUESTION}],
-        temperature=0.0, max_tokens=64)
+    again = _greedy_chat(client, model)
+    hung_up = _hang_up_mid_prefill(port, model)
+    after_abort = _greedy_chat(client, model)
     return {"text": choice.message.content,
             "token_logprobs": [t.logprob for t in choice.logprobs.content],
             "prompt_tokens": chat.usage.prompt_tokens,
             "bad_request_status": bad_status,
-            "text_after_bad_request": again.choices[0].message.content}
+            "text_after_bad_request": again.choices[0].message.content,
+            "clients_hung_up": hung_up,
+            "text_after_abort": after_abort.choices[0].message.content}
+
+
+def _aborts_in_log(log_path: str) -> int:
+    """Requests the server logged as aborted by their client's hang-up
+    (``--enable-log-requests``: "Request ID aborted.")."""
+    with open(log_path) as f:
+        return len(re.findall(r"Request \S+ aborted\.", f.read()))
 
 
 def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
@@ -66,7 +110,8 @@ def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
            "--prefill-context-parallel-size", str(pcp), "--max-model-len", "4096",
            # a fixed KV pool: both servers share the GPUs, so no memory profiling
            "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(2 << 30),
-           "--seed", "0",
+           "--seed", "0", "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+           "--enable-log-requests",
            # the same kernel at both sizes: vLLM would pick FLASH_ATTN for PCP = 1
            "--attention-backend", "FLASHINFER"]
     if pcp > 1:  # split the short chat prompt too (the default keeps it whole)
@@ -76,7 +121,9 @@ def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
                                 start_new_session=True)
     try:
         _wait_healthy(port, proc)
-        return {"pcp": pcp, "command": " ".join(cmd), **_ask(port, model)}
+        answers = _ask(port, model)
+        return {"pcp": pcp, "command": " ".join(cmd), **answers,
+                "aborted_in_log": _aborts_in_log(log_path)}
     except Exception as exc:
         with open(log_path) as f:
             return {"pcp": pcp, "command": " ".join(cmd), "error": repr(exc),
@@ -94,8 +141,6 @@ def main() -> None:
     ap.add_argument("--log-dir", default="/tmp")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from concurrent.futures import ThreadPoolExecutor
-
     from gpu_runs import versions
 
     with ThreadPoolExecutor(2) as pool:  # both servers at once
@@ -114,6 +159,10 @@ def main() -> None:
         "bad_request_is_4xx": ok and all(400 <= r["bad_request_status"] < 500 for r in runs),
         "serves_after_bad_request": ok and all(r["text_after_bad_request"] == r["text"]
                                                for r in runs),
+        # every hung-up client's request aborted, and the next answer unchanged
+        "serves_after_abort_mid_prefill": ok and all(
+            r["clients_hung_up"] == ABORTED_PROMPTS == r["aborted_in_log"]
+            and r["text_after_abort"] == r["text"] for r in runs),
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,0 +1,60 @@
+"""The serving check's abort harness against a stand-in HTTP server: clients that
+hang up are counted as such, answered ones are not, and the server log's abort
+lines are counted once per request."""
+import json
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import check_serve_chat as serve_chat  # noqa: E402
+
+COMPLETION = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+              "choices": [{"index": 0, "text": "a", "finish_reason": "length",
+                           "logprobs": None}]}
+
+
+def _server(delay_s: float):
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert len(body["prompt"]) == serve_chat.ABORTED_PROMPT_TOKENS
+            threading.Event().wait(delay_s)  # a prefill still running when the client gives up
+            data = json.dumps(COMPLETION).encode()
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:  # the client hung up
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("delay_s,hung_up", [(1.0, serve_chat.ABORTED_PROMPTS), (0.0, 0)])
+def test_clients_hang_up_while_the_server_is_still_working(monkeypatch, delay_s, hung_up):
+    monkeypatch.setattr(serve_chat.time, "sleep", lambda s: None)  # the wait for aborts
+    server = _server(delay_s)
+    try:
+        assert serve_chat._hang_up_mid_prefill(server.server_address[1], "m") == hung_up
+    finally:
+        server.shutdown()
+
+
+def test_aborts_in_the_log_count_each_request_once(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("(APIServer pid=1) INFO [async_llm.py:721] Aborted request(s) cmpl-a-0.\n"
+                   "(APIServer pid=1) INFO [async_llm.py:595] Request cmpl-a aborted.\n"
+                   "(APIServer pid=1) INFO [async_llm.py:595] Request cmpl-b aborted.\n"
+                   "(APIServer pid=1) INFO Received request cmpl-c: prompt ...\n")
+    assert serve_chat._aborts_in_log(str(log)) == 2
