@@ -41,7 +41,7 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> No
 
 
 ABORTED_PROMPTS, ABORTED_PROMPT_TOKENS, HANG_UP_AFTER_S = 4, 3500, 0.15
-MAX_NUM_BATCHED_TOKENS = 512  # a 3,500-token prompt prefills over 7+ steps
+MAX_NUM_BATCHED_TOKENS = 256  # a 3,500-token prompt prefills over 14 steps or more
 
 
 def _greedy_chat(client, model: str, **kw):
@@ -62,7 +62,7 @@ def _hang_up_mid_prefill(port: int, model: str) -> int:
     def send(i: int) -> bool:
         prompt = [(1000 + 7 * i + 13 * t) % 30000 + 100 for t in range(ABORTED_PROMPT_TOKENS)]
         try:
-            client.completions.create(model=model, prompt=prompt, max_tokens=8)
+            client.completions.create(model=model, prompt=prompt, max_tokens=64)
         except APITimeoutError:
             return True
         return False
