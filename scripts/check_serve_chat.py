@@ -111,6 +111,7 @@ def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
            # a fixed KV pool: both servers share the GPUs, so no memory profiling
            "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(2 << 30),
            "--seed", "0", "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+           "--max-num-seqs", "16",  # vLLM wants no more sequences than step tokens
            "--enable-log-requests",
            # the same kernel at both sizes: vLLM would pick FLASH_ATTN for PCP = 1
            "--attention-backend", "FLASHINFER"]
