@@ -8,10 +8,11 @@ work runs on PyTorch's meta device: the context read, the K/V exchange's buffer
 (:func:`vllm_pcp.exchange.gather_kv`) and :meth:`DCPAttention.run`. FlashInfer's
 wrappers and merges and the process group are stand-ins that only return
 tensors of the right shape, so what is left is the plugin's own per-layer host
-work: the aten ops it dispatches (counted; ``kernel_ops`` leaves out views and
-allocations, which launch nothing on a GPU) and their Python and dispatcher time
-(timed on this CPU, median of repeats of 36 layers).
-FlashInfer's own Python, the collectives and the cache write are not in it.
+work: the aten ops it dispatches, ``kernel_ops`` of them leaving out views and
+allocations (which launch nothing on a GPU), its collectives and FlashInfer calls.
+Counts only: the meta device runs some ops through Python implementations, so
+its times say nothing of a GPU host's. FlashInfer's own work, the collectives
+and the cache write are not in the counts.
 
 Steps: ``mixed`` (15 decoding requests at 16K context beside the second 8K chunk
 of a 16K prompt, with each context exchange), ``prefill`` (that chunk alone),
@@ -22,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import torch
@@ -176,7 +175,7 @@ def _layer(step: str, exchange: str, interleave: int):
     return attn, group, layer
 
 
-def measure(step: str, exchange: str, interleave: int, repeats: int) -> dict:
+def measure(step: str, exchange: str, interleave: int) -> dict:
     global COUNT
     attn, group, layer = _layer(step, exchange, interleave)
     COUNT = _Count()
@@ -186,31 +185,20 @@ def measure(step: str, exchange: str, interleave: int, repeats: int) -> dict:
     wrappers = {id(w): w for w in (attn._new, attn._split, attn._rep, attn._decode_now,
                                    attn._decode)}
     runs = sum(w.runs for w in wrappers.values())
-    group.calls = 0
-    layer()
-    collectives = group.calls
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(36):
-            layer()
-        times.append((time.perf_counter() - start) / 36 * 1e6)
     return {"step": step, "exchange": exchange, "interleave": interleave,
             "aten_ops": sum(ops.values()),
             "kernel_ops": sum(n for op, n in ops.items() if op not in NO_KERNEL),
             "ops": dict(sorted(ops.items())),
-            "flashinfer_runs": runs, "collectives": collectives,
-            "host_us_per_layer": round(statistics.median(times), 1)}
+            "flashinfer_runs": runs, "collectives": group.calls}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--interleave", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    rows = [measure(step, exchange, args.interleave, args.repeats)
+    rows = [measure(step, exchange, args.interleave)
             for step, exchange in (("mixed", "keys"), ("mixed", "queries"),
                                    ("prefill", "keys"), ("decode", "keys"))]
     rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -221,8 +209,7 @@ def main() -> None:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     for r in rows:
         print(r["step"], r["exchange"], "aten ops", r["aten_ops"], "kernel ops", r["kernel_ops"],
-              "collectives", r["collectives"], "flashinfer runs", r["flashinfer_runs"],
-              "host us/layer", r["host_us_per_layer"])
+              "collectives", r["collectives"], "flashinfer runs", r["flashinfer_runs"])
 
 
 if __name__ == "__main__":
