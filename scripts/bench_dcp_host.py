@@ -98,6 +98,10 @@ def _merge_states(v, s):
     return torch.empty_like(v[:, 0]), torch.empty_like(s[:, 0])
 
 
+def _merge_state_in_place(v, s, v_other, s_other):
+    pass
+
+
 class _Group:
     """Rank 0 of ``WORLD``: collectives return tensors of the gathered shape."""
 
@@ -149,7 +153,7 @@ def _layer(step: str, exchange: str, interleave: int):
     sys.modules["flashinfer"] = SimpleNamespace(  # DCPAttention takes its kernels at init
         BatchPrefillWithRaggedKVCacheWrapper=_Wrapper, BatchPrefillWithPagedKVCacheWrapper=_Wrapper,
         BatchDecodeWithPagedKVCacheWrapper=_Wrapper, merge_state=_merge_state,
-        merge_states=_merge_states)
+        merge_states=_merge_states, merge_state_in_place=_merge_state_in_place)
     try:
         attn = DCPAttention(torch.empty(1, dtype=torch.uint8, device=meta), hq, hkv, dim, PAGE,
                             dtype, dim ** -0.5, "NHD")
