@@ -25,10 +25,11 @@
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
 #              (pcp1, pcp2, pcp2-dcp2), and per step and rank its GPU time in kernels,
 #              NCCL, FlashInfer and idle (scripts/trace_steps.py: steps.json)
-#   serve      vllm serve chat at PCP=1 and PCP=2, and gsm8k through lm-eval at PCP=1,
+#   serve      vllm serve chat at PCP=1 and PCP=2 (with clients hanging up mid-prefill),
+#              and gsm8k through lm-eval at PCP=1,
 #              PCP=2 and PCP=2 x DCP=2 (MODEL_GSM8K; DATA_GSM8K: a folder with train.jsonl
 #              and test.jsonl, default .gpu/gsm8k of the checkout), servers side by side;
-#              GSM8K_CONFIGS picks some ("pcp2-dcp2")
+#              GSM8K_CONFIGS picks some ("pcp2-dcp2"; empty: chat and abort check only)
 #   bench-serve  vllm bench serve at concurrency 4 and 16 against one server at a time
 #              (SERVE_CONFIGS, default "pcp1 pcp2 pcp2-dcp2 tp2", also pcp2-dcp2-queries
 #              and pcp2-dcp2-keys; INPUT_LEN 16384, PROMPTS
@@ -148,7 +149,7 @@ case "$stage" in
         --prefill-context-parallel-size "$@" > "$work/gsm8k-$name.log" 2>&1
     }
     # PCP runs split every prompt (the default keeps gsm8k's short prompts whole)
-    for config in ${GSM8K_CONFIGS:-pcp1 pcp2 pcp2-dcp2}; do
+    for config in ${GSM8K_CONFIGS-pcp1 pcp2 pcp2-dcp2}; do
       case $config in
         pcp1) gsm8k pcp1 8201 1 & ;;
         pcp2) gsm8k pcp2 8202 2 --additional-config '{"pcp_min_split_tokens": 2}' & ;;
