@@ -15,6 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exactness_lib import MAX_TOKENS, build_cases, render_gsm8k, text_prompt  # noqa: E402
 from gpu_runs import NO_ALLREDUCE_FUSION  # noqa: E402
 
+from vllm_pcp.config import CONTEXT_EXCHANGES  # noqa: E402
+
 VARIANTS = {"unchunked": None, "chunked": 2048}
 
 
@@ -103,7 +105,7 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--ray", action="store_true", help="Ray as the distributed executor")
     ap.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     ap.add_argument("--interleave", type=int, default=1, help="--cp-kv-cache-interleave-size")
-    ap.add_argument("--dcp-context-exchange", choices=("auto", "queries", "keys"),
+    ap.add_argument("--dcp-context-exchange", choices=CONTEXT_EXCHANGES,
                     help="the plugin knob pcp_dcp_context_exchange (default: its default)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--text-prompts", default="",
