@@ -20,6 +20,7 @@
 #              text (DATA_GSM8K, default .gpu/gsm8k) under DCP_TEXT_CONFIGS
 #   exact-tp-dcp  -tp 2 -dcp 2 (PCP = 1) at interleave 1, 8, 16 and with CUDA graphs
 #              against PCP = 1, the 1-kv-head model, chunked and unchunked prefill
+#              (TP_DCP_CONFIGS picks configurations)
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
@@ -93,7 +94,7 @@ case "$stage" in
     ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
     lanes --lanes 4 --one-gpu-lanes 2 --variants chunked,unchunked --max-tokens 256 \
       --models qwen2-mqa-1kv \
-      --configs pcp1,pcp1-graphs,tp2-dcp2-i1,tp2-dcp2-i8,tp2-dcp2-i16,tp2-dcp2-i8-graphs \
+      --configs "${TP_DCP_CONFIGS:-pcp1,pcp1-graphs,tp2-dcp2-i1,tp2-dcp2-i8,tp2-dcp2-i16,tp2-dcp2-i8-graphs}" \
       --raw "$work/raw-tp-dcp.json" > "$work/tp-dcp.log" 2>&1
     tail -n 30 "$work/tp-dcp.log" ;;
   bench)
