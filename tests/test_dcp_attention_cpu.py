@@ -275,7 +275,8 @@ def test_context_rows_ride_in_the_kv_exchange_from_both_cache_layouts(float32_fl
     all-gather returns each rank's block as ``[P new rows | Pc context rows]``."""
     from dcp_harness import _paged_shard, make_batch
     from helpers import ThreadGroup
-    from vllm_pcp.dcp_attention import DCPAttention, context_slots
+    from vllm_pcp.dcp_attention import DCPAttention
+    from vllm_pcp.dcp_index import context_slots
     from vllm_pcp.dcp_plan import build_dcp_plan
     from vllm_pcp.exchange import gather_kv
     from vllm_pcp.kv_shard import dcp_owner

@@ -49,7 +49,7 @@ def test_new_part_reads_the_steps_tokens_up_to_each_row_end():
 
 
 def test_paged_kv_layout_lists_each_rows_pages():
-    from vllm_pcp.dcp_attention import _kept, _positions_in, paged_kv_layout
+    from vllm_pcp.dcp_index import kept_rows, paged_kv_layout, positions_in
 
     table = torch.tensor([[7, 8, 9], [3, 4, 5]], dtype=torch.int32)
     indptr, indices, last = paged_kv_layout(torch.tensor([17, 16]), table, 16)
@@ -57,9 +57,40 @@ def test_paged_kv_layout_lists_each_rows_pages():
     assert indices.tolist() == [7, 8, 3] and last.tolist() == [1, 16]
     plan = build_dcp_plan([5, 40], [1, 64], 4, 3, 8, min_split_tokens=8)
     # Rank 3 owns none of the 5 context tokens of request 0 (tokens 24..31 are its first).
-    kept = _kept(plan.ctx_replicated)
+    kept = kept_rows(plan.ctx_replicated)
     assert plan.ctx_replicated.kv_len.tolist() == [0] and len(kept.req) == 0
-    assert _positions_in(torch.tensor([4, 9, 2]), torch.tensor([2, 4])).tolist() == [2, 0]
+    assert positions_in(torch.tensor([4, 9, 2]), torch.tensor([2, 4])).tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("rows,expect", [
+    ([4, 5, 6], slice(4, 7)), ([0], slice(0, 1)),  # one run of rows: a view
+    ([0, 2, 3], None), ([3, 2, 1], None), ([1, 1, 2], None), ([], None),
+    ([0, 2, 1, 3], None), ([5, 5, 7], None)])  # first and last as a run's, but not one
+def test_rows_index_is_a_slice_only_for_one_run_of_rows(rows, expect):
+    from vllm_pcp.dcp_index import rows_index
+
+    got = rows_index(torch.tensor(rows, dtype=torch.int64), "cpu")
+    if expect is not None:
+        assert got == expect
+    else:  # anything else stays an index, and reads the same rows
+        assert isinstance(got, torch.Tensor) and got.tolist() == rows
+    x = torch.arange(10) * 10
+    assert x[got].tolist() == [10 * r for r in rows]
+
+
+def test_a_mixed_step_reads_its_decode_rows_as_one_run():
+    """Decodes first (vLLM's order), then a split chunk: the replicated rows, the
+    decode call's queries and its partials are each one run of rows, so the layers
+    read and write them as views (no gather or scatter kernels per layer)."""
+    from vllm_pcp.dcp_index import positions_in, rows_index
+
+    for context_exchange in ("keys", "queries"):
+        plan = build_dcp_plan([9000, 9001, 9002, 8192], [1, 1, 1, 8000], 2, 1, 8,
+                              min_split_tokens=8192, prefill_lens=[9001, 9002, 9003, 16384],
+                              context_exchange=context_exchange, kv_to_q_heads=0.125)
+        rep = plan.ctx_replicated.query_index
+        assert rows_index(rep, "cpu") == slice(0, 3)
+        assert rows_index(positions_in(rep, rep), "cpu") == slice(0, 3)
 
 
 def test_rejects_a_rank_outside_the_group():

@@ -32,56 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_pcp.dcp_plan import AttentionRows, ContextGather, DCPAttentionPlan
+from vllm_pcp.dcp_index import (context_slots, kept_rows, owned_split_tokens, paged_kv_layout,
+                                positions_in, rows_index)
+from vllm_pcp.dcp_plan import AttentionRows, DCPAttentionPlan
 from vllm_pcp.exchange import all_gather_padded, all_to_all
-
-
-def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
-                    page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's paged-KV arguments for rows of ``kv_len`` local tokens.
-
-    ``kv_len`` is ``[R]`` on the CPU; ``block_table`` is ``[R, max_pages]``
-    (one row per attention row) on any device. Returns ``indptr [R + 1]`` and
-    ``last_page_len [R]`` on the CPU and ``indices [sum pages]`` on the block
-    table's device, all int32. The page list is gathered by index, so the
-    device never has to report a count back (no synchronization).
-    """
-    kv_len = kv_len.long()
-    pages = (kv_len + page_size - 1) // page_size
-    indptr = torch.zeros(len(kv_len) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(pages, 0)
-    rows = torch.repeat_interleave(torch.arange(len(kv_len)), pages)
-    cols = torch.arange(int(indptr[-1])) - indptr[:-1].long().repeat_interleave(pages)
-    flat = (rows * block_table.shape[1] + cols).to(block_table.device, non_blocking=True)
-    indices = block_table.reshape(-1).index_select(0, flat)
-    last = kv_len - (pages - 1).clamp(min=0) * page_size
-    return indptr, indices.to(torch.int32), last.to(torch.int32)
-
-
-def context_slots(gather: ContextGather, block_table: torch.Tensor,
-                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page and in-page slot of each context token this rank sends: the first
-    ``gather.local_len[g]`` tokens of request ``gather.req[g]``'s shard, request
-    after request; both ``[sum local_len]`` int64 on the block table's device."""
-    lens = gather.local_len.long()
-    starts = torch.cumsum(lens, 0) - lens
-    offsets = torch.arange(int(lens.sum())) - starts.repeat_interleave(lens)
-    req = gather.req.long().repeat_interleave(lens)
-    flat = (req * block_table.shape[1] + offsets // page_size).to(block_table.device,
-                                                                 non_blocking=True)
-    page = block_table.reshape(-1).index_select(0, flat).long()
-    return page, (offsets % page_size).to(block_table.device, non_blocking=True)
-
-
-def _kept(rows: AttentionRows, keep: torch.Tensor | None = None) -> AttentionRows:
-    """The rows with keys (kv_len 0 rows dropped, with their query tokens), of those
-    ``keep`` marks if given."""
-    keep = rows.kv_len > 0 if keep is None else keep & (rows.kv_len > 0)
-    lens = (rows.qo_indptr[1:] - rows.qo_indptr[:-1])[keep]
-    per_token = torch.repeat_interleave(keep, rows.qo_indptr[1:] - rows.qo_indptr[:-1])
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(lens, 0)
-    return AttentionRows(rows.query_index[per_token], indptr, rows.req[keep], rows.kv_len[keep])
 
 
 class DCPAttention:
@@ -150,19 +104,31 @@ class DCPAttention:
                        causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype,
                        kv_data_type=self.dtype, o_data_type=self.dtype)
         split_query = self._plan_paged(self._split, plan.ctx_split, block_table)
-        self.split_query, self.owned_split = to_dev(split_query), to_dev(_owned_split_tokens(plan))
-        rep, rep_index = plan.ctx_replicated, plan.ctx_replicated.query_index
-        # Replicated decode rows (one query over a long shard) on the split-KV decode
-        # kernel, as on folded decode steps; the others on the paged prefill kernel.
+        self.split_query = to_dev(split_query)
+        if split_query is not None:  # (owner rank, row in its block) of each query
+            padded = plan.pcp.num_padded_tokens_per_rank
+            self.split_owner_row = (to_dev(split_query // padded), to_dev(split_query % padded))
+        owned = owned_split_tokens(plan)
+        self.owned_split = None if owned is None else rows_index(owned, dev)
+        self._plan_replicated(plan.ctx_replicated, block_table)
+
+    def _plan_replicated(self, rep: AttentionRows, block_table: torch.Tensor) -> None:
+        """Plan the replicated rows' calls: decode rows (one query over a long shard)
+        on the split-KV decode kernel, as on folded decode steps; the others on the
+        paged prefill kernel. Indexes that are one run of rows become slices."""
+        dev, rep_index = block_table.device, rep.query_index
         single = (rep.qo_indptr[1:] - rep.qo_indptr[:-1]) == 1
-        self.rep_index, self.rep_calls = to_dev(rep_index), []
+        self.num_rep, self.rep_index = len(rep_index), rows_index(rep_index, dev)
+        self.rep_calls, covered = [], 0
         for wrapper, query in ((self._rep, self._plan_paged(self._rep, rep, block_table,
                                                             ~single)),
                                (self._decode, self._plan_paged_decode(rep, block_table,
                                                                       single))):
             if query is not None:
-                self.rep_calls.append((wrapper, to_dev(query),
-                                       to_dev(_positions_in(rep_index, query))))
+                self.rep_calls.append((wrapper, rows_index(query, dev),
+                                       rows_index(positions_in(rep_index, query), dev)))
+                covered += len(query)
+        self.rep_covered = covered == len(rep_index)  # every row sees keys here
 
     def _plan_decode(self, rows: AttentionRows, block_table: torch.Tensor,
                      graph_rows: int | None) -> None:
@@ -207,7 +173,7 @@ class DCPAttention:
                     keep: torch.Tensor | None):
         """The rows with context (of those ``keep`` marks) and their paged-KV
         arguments ``(kept, indptr, indices, last_page_len)``, or None."""
-        kept = _kept(rows, keep)
+        kept = kept_rows(rows, keep)
         if len(kept.req) == 0:
             return None
         table = block_table.index_select(
@@ -259,15 +225,19 @@ class DCPAttention:
 
         # Replicated rows: every rank holds the same queries; gather the partials.
         rep_index = self.rep_index
-        if len(rep_index):
-            send, rep_out, rep_lse = self._partials(len(rep_index), q_local)
+        if self.num_rep:
+            send, rep_out, rep_lse = self._partials(self.num_rep, q_local)
             rep_out, rep_lse = rep_out[0], rep_lse[0]
-            rep_out.zero_(), rep_lse.fill_(float("-inf"))  # rows that see no keys here
+            if not self.rep_covered:  # rows that see no keys here
+                rep_out.zero_(), rep_lse.fill_(float("-inf"))
             for wrapper, query, slot in self.rep_calls:
-                q_rep = q_local.index_select(0, query)
-                o, s = wrapper.run(q_rep, kv_cache, out=self._out_like(q_rep),
-                                   return_lse=True)
-                rep_out[slot], rep_lse[slot] = o, s
+                q_rep = q_local[query]
+                if isinstance(slot, slice):  # the kernel writes the partials in place
+                    wrapper.run(q_rep, kv_cache, out=rep_out[slot], lse=rep_lse[slot],
+                                return_lse=True)
+                else:
+                    rep_out[slot], rep_lse[slot] = wrapper.run(
+                        q_rep, kv_cache, out=self._out_like(q_rep), return_lse=True)
             ctx_o, ctx_s = self._gather_merged(group, send, rep_out.shape)
             out[rep_index], lse[rep_index] = self._merge_state(
                 ctx_o, ctx_s, out[rep_index], lse[rep_index])
@@ -327,9 +297,14 @@ class DCPAttention:
     def _gather_merged(self, group, send: torch.Tensor, shape):
         """All-gather every rank's :meth:`_partials` buffer (one block) and merge the
         states by LSE: ``(out [rows, Hq, D], lse [rows, Hq])``, ``shape = (rows, Hq, D)``."""
-        n = group.world_size
-        outs, lses = self._unpack(group.all_gather(send, dim=0), n, shape[0], shape)
-        if n == 2:
+        outs, lses = self._unpack(group.all_gather(send, dim=0), group.world_size,
+                                  shape[0], shape)
+        return self._merge_ranks(outs, lses)
+
+    def _merge_ranks(self, outs: torch.Tensor, lses: torch.Tensor):
+        """Merge ``outs [N, rows, Hq, D]`` / ``lses [N, rows, Hq]`` (one block per rank)
+        by LSE: ``(out [rows, Hq, D], lse [rows, Hq])``."""
+        if len(outs) == 2:
             return self._merge_state(outs[0], lses[0], outs[1], lses[1])
         return self._merge_states(outs.transpose(0, 1).contiguous(),
                                   lses.transpose(0, 1).contiguous())
@@ -364,27 +339,10 @@ class DCPAttention:
             q_split = q_all.index_select(0, self.split_query)
             o, s = self._split.run(q_split, kv_cache, out=self._out_like(q_split),
                                    return_lse=True)
-            owner, row = self.split_query // padded, self.split_query % padded
+            owner, row = self.split_owner_row
             part_out[owner, row], part_lse[owner, row] = o, s
         recv_out, recv_lse = self._unpack(all_to_all(group, send), n, padded, q_local.shape)
         mine = self.owned_split
         if mine is not None:
-            ctx_o, ctx_s = self._merge_states(recv_out[:, mine].transpose(0, 1).contiguous(),
-                                              recv_lse[:, mine].transpose(0, 1).contiguous())
+            ctx_o, ctx_s = self._merge_ranks(recv_out[:, mine], recv_lse[:, mine])
             out[mine], lse[mine] = self._merge_state(ctx_o, ctx_s, out[mine], lse[mine])
-
-
-def _owned_split_tokens(plan: DCPAttentionPlan) -> torch.Tensor | None:
-    """Local positions of this rank's split-row queries that have context (CPU)."""
-    rank, padded = plan.dcp_rank, plan.pcp.num_padded_tokens_per_rank
-    index = plan.ctx_split.query_index
-    mine = index[(index >= rank * padded) & (index < (rank + 1) * padded)] - rank * padded
-    return mine if len(mine) else None
-
-
-def _positions_in(haystack: torch.Tensor, needles: torch.Tensor) -> torch.Tensor:
-    """Position in ``haystack`` (distinct values) of each value of ``needles``."""
-    lookup = torch.full((int(haystack.max()) + 1,), -1, dtype=torch.int64,
-                        device=haystack.device)
-    lookup[haystack] = torch.arange(len(haystack), device=haystack.device)
-    return lookup[needles]
