@@ -122,6 +122,15 @@ def _merge(merge, dtypes):
     return run
 
 
+def _merge_in_place(merge, dtypes):
+    """FlashInfer's ``merge_state_in_place(v, s, v_other, s_other)``: ``(v, s)`` updated."""
+    def run(v, s, v_other, s_other):
+        assert v.dtype in dtypes and s.dtype == torch.float32
+        o, t = merge(v, s, v_other, s_other)
+        v.copy_(o.to(v.dtype)), s.copy_(t)
+    return run
+
+
 def _fake_flashinfer(dtypes):
     ragged = type("Ragged", (_Ragged,), {"dtypes": dtypes})
     paged = type("Paged", (_Paged,), {"dtypes": dtypes})
@@ -130,7 +139,8 @@ def _fake_flashinfer(dtypes):
                            BatchPrefillWithPagedKVCacheWrapper=paged,
                            BatchDecodeWithPagedKVCacheWrapper=decode,
                            merge_state=_merge(reference.merge_state, dtypes),
-                           merge_states=_merge(reference.merge_states, dtypes))
+                           merge_states=_merge(reference.merge_states, dtypes),
+                           merge_state_in_place=_merge_in_place(reference.merge_state, dtypes))
 
 
 @pytest.fixture

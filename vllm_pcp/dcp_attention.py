@@ -52,6 +52,7 @@ class DCPAttention:
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.page_size, self.dtype, self.sm_scale = page_size, dtype, sm_scale
         self._merge_state, self._merge_states = flashinfer.merge_state, flashinfer.merge_states
+        self._merge_state_in_place = flashinfer.merge_state_in_place
         self._new = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD",
                                                                     backend="auto")
         self._split = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout,
@@ -239,9 +240,17 @@ class DCPAttention:
                     rep_out[slot], rep_lse[slot] = wrapper.run(
                         q_rep, kv_cache, out=self._out_like(q_rep), return_lse=True)
             ctx_o, ctx_s = self._gather_merged(group, send, rep_out.shape)
-            out[rep_index], lse[rep_index] = self._merge_state(
-                ctx_o, ctx_s, out[rep_index], lse[rep_index])
+            self._merge_into(out, lse, rep_index, ctx_o, ctx_s)
         return out
+
+    def _merge_into(self, out: torch.Tensor, lse: torch.Tensor, rows, ctx_o: torch.Tensor,
+                    ctx_s: torch.Tensor) -> None:
+        """Merge the context states ``ctx_o``/``ctx_s`` into ``rows`` of ``out``/``lse``:
+        in place where ``rows`` is a slice (one kernel), else gathered and scattered."""
+        if isinstance(rows, slice):
+            self._merge_state_in_place(out[rows], lse[rows], ctx_o, ctx_s)
+        else:
+            out[rows], lse[rows] = self._merge_state(ctx_o, ctx_s, out[rows], lse[rows])
 
     def run_heads_gathered(self, group, q: torch.Tensor, k_step: torch.Tensor,
                            v_step: torch.Tensor, kv_cache) -> torch.Tensor:
@@ -345,4 +354,4 @@ class DCPAttention:
         mine = self.owned_split
         if mine is not None:
             ctx_o, ctx_s = self._merge_ranks(recv_out[:, mine], recv_lse[:, mine])
-            out[mine], lse[mine] = self._merge_state(ctx_o, ctx_s, out[mine], lse[mine])
+            self._merge_into(out, lse, mine, ctx_o, ctx_s)
