@@ -203,23 +203,37 @@ def run(args) -> None:
             one(config, {})
 
 
+def _load_raw(paths: list[str]) -> dict:
+    """Several raw runs of one sitting (e.g. two halves of the configs) as one."""
+    raw = {"runs": []}
+    for path in paths:
+        with open(path) as f:
+            part = json.load(f)
+        raw = {**part, "runs": raw["runs"] + part["runs"]}
+    return raw
+
+
 def report(args) -> None:
-    """Write ttft.json, itl.json and ttft.png from one raw run; serve.json from
-    the ``vllm bench serve`` results of scripts/bench_serve.sh, gsm8k.json from
-    the scripts/eval_gsm8k.sh results, if given."""
+    """Write ttft.json, itl.json and ttft.png from one raw run, if given; serve.json
+    from the ``vllm bench serve`` results of scripts/bench_serve.sh, gsm8k.json from
+    the scripts/eval_gsm8k.sh results, if given. Without ``--raw`` the versions come
+    from ``--versions-from`` (any raw file of the same sitting)."""
     import glob
 
     from bench_report import gsm8k_rows, serve_rows, write_reports
 
-    raw = {"runs": []}
-    for path in args.raw:  # several runs of one sitting, e.g. two halves of the configs
-        with open(path) as f:
-            part = json.load(f)
-        raw = {**part, "runs": raw["runs"] + part["runs"]}
+    raw = _load_raw(args.raw or [])
+    if not args.raw:
+        if not args.versions_from:
+            raise SystemExit("report: give --raw, or --versions-from with --serve-dir/--gsm8k-dir")
+        raw["versions"] = _load_raw([args.versions_from])["versions"]
     meta = {"git_rev": args.git_rev, "command": args.command, **raw["versions"],
-            "date": datetime.date.today().isoformat(), "enforce_eager": raw["eager"],
-            **({"max_num_batched_tokens": raw["chunk"]} if raw.get("chunk") else {})}
-    print(json.dumps(write_reports(raw, meta, args.out_dir), indent=1))
+            "date": args.date or datetime.date.today().isoformat()}
+    if args.raw:  # the serving runs' flags are in their command, not in the raw run
+        print(json.dumps(write_reports(raw, {
+            **meta, "enforce_eager": raw["eager"],
+            **({"max_num_batched_tokens": raw["chunk"]} if raw.get("chunk") else {})},
+            args.out_dir), indent=1))
     if args.serve_dir:
         rows = serve_rows(glob.glob(os.path.join(args.serve_dir, "*-c*.json")))
         with open(os.path.join(args.out_dir, "serve.json"), "w") as f:
@@ -229,8 +243,7 @@ def report(args) -> None:
     if args.gsm8k_dir:
         gsm8k = gsm8k_rows(glob.glob(os.path.join(args.gsm8k_dir, "gsm8k-*.json")))
         with open(os.path.join(args.out_dir, "gsm8k.json"), "w") as f:
-            json.dump({"meta": {**{k: v for k, v in meta.items() if k != "enforce_eager"},
-                                "command": args.gsm8k_command}, **gsm8k}, f, indent=1)
+            json.dump({"meta": {**meta, "command": args.gsm8k_command}, **gsm8k}, f, indent=1)
 
 
 def main() -> None:
@@ -277,7 +290,9 @@ def main() -> None:
     b = sub.add_parser("model", help="write the bench model's folder (for vllm serve)")
     b.add_argument("--out-dir", default="/tmp/bench-models/qwen2.5-3b-shape")
     p = sub.add_parser("report")
-    p.add_argument("--raw", nargs="+", required=True)
+    p.add_argument("--raw", nargs="+", help="bench_pcp.py run results (ttft/itl)")
+    p.add_argument("--versions-from", help="without --raw: a raw file of the same sitting")
+    p.add_argument("--date", help="date of the GPU run (default: today)")
     p.add_argument("--git-rev", required=True)
     p.add_argument("--command", required=True)
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))

@@ -109,13 +109,43 @@ def test_report_records_the_chunk_size_of_a_chunked_run(tmp_path, monkeypatch):
     raw = {**RAW, "versions": {"gpu": "g"}, "eager": False, "chunk": 8192}
     path = tmp_path / "raw.json"
     path.write_text(json.dumps(raw))
-    args = SimpleNamespace(raw=[str(path)], git_rev="abc", command="c",
+    args = SimpleNamespace(raw=[str(path)], git_rev="abc", command="c", date=None,
                            out_dir=str(tmp_path), serve_dir=None, gsm8k_dir=None)
     bench_pcp.report(args)
     assert json.load(open(tmp_path / "ttft.json"))["meta"]["max_num_batched_tokens"] == 8192
     path.write_text(json.dumps({**raw, "chunk": 0}))
     bench_pcp.report(args)
     assert "max_num_batched_tokens" not in json.load(open(tmp_path / "ttft.json"))["meta"]
+
+
+def test_report_writes_serve_json_alone_with_the_sittings_versions(tmp_path):
+    """A sitting whose bench stage did not run still reports its serving results:
+    versions from another raw file of that sitting, no ttft.json written."""
+    from types import SimpleNamespace
+
+    import bench_pcp
+
+    serve = tmp_path / "serve"
+    serve.mkdir()
+    for config, conc, ttft in (("pcp2", 4, 537.0), ("pcp2-dcp2", 16, 1534.3)):
+        (serve / f"{config}-c{conc}.json").write_text(json.dumps(
+            {"num_prompts": 16, "p50_ttft_ms": ttft, "not_a_metric": 1}))
+    versions = tmp_path / "raw-dcp.json"
+    versions.write_text(json.dumps({"versions": {"gpu": "2 x H200", "vllm": "0.26.0"},
+                                    "runs": []}))
+    args = SimpleNamespace(raw=None, versions_from=str(versions), git_rev="abc",
+                           command="c", date="2026-11-30", out_dir=str(tmp_path),
+                           serve_dir=str(serve), serve_command="s", serve_note="n",
+                           gsm8k_dir=None)
+    bench_pcp.report(args)
+    out = json.load(open(tmp_path / "serve.json"))
+    assert out["meta"] == {"git_rev": "abc", "command": "s", "gpu": "2 x H200",
+                           "vllm": "0.26.0", "date": "2026-11-30", "note": "n"}
+    assert [(r["config"], r["max_concurrency"], r["p50_ttft_ms"]) for r in out["rows"]] == [
+        ("pcp2", 4, 537.0), ("pcp2-dcp2", 16, 1534.3)]
+    assert not (tmp_path / "ttft.json").exists()
+    with pytest.raises(SystemExit, match="--versions-from"):
+        bench_pcp.report(SimpleNamespace(**{**vars(args), "versions_from": None}))
 
 
 def test_profile_flags_reach_only_the_profiled_configs():
