@@ -141,6 +141,7 @@ case "$stage" in
     fi
     python3 "$here/check_serve_chat.py" --model "${MODELS_REAL:-/tmp/models/smollm2-135m}" \
       --git-rev "${GIT_REV:-unknown}" --out "$work/serve-chat-pcp.json" --log-dir "$work" &
+    chat=$!
     flags=(--enforce-eager --gpu-memory-utilization 0.1 --kv-cache-memory-bytes $((8 << 30))
            --attention-backend FLASHINFER)
     gsm8k() {  # NAME PORT PCP [more vllm serve flags]
@@ -158,6 +159,9 @@ case "$stage" in
           --additional-config '{"pcp_min_split_tokens": 2}' & ;;
       esac
     done
-    wait; tail -n 3 "$work"/gsm8k-*.log ;;
+    wait "$chat"; rc=$?  # the stage fails when the chat or abort check does
+    wait
+    for log in "$work"/gsm8k-*.log; do [ -e "$log" ] && tail -n 3 "$log"; done
+    exit "$rc" ;;
   *) echo "unknown stage $stage" >&2; trap - EXIT; exit 2 ;;
 esac

@@ -58,3 +58,13 @@ def test_aborts_in_the_log_count_each_request_once(tmp_path):
                    "(APIServer pid=1) INFO [async_llm.py:595] Request cmpl-b aborted.\n"
                    "(APIServer pid=1) INFO Received request cmpl-c: prompt ...\n")
     assert serve_chat._aborts_in_log(str(log)) == 2
+
+
+def test_the_run_fails_when_any_check_fails():
+    """The exit status (and so the GPU stage's) follows every check, the abort one too;
+    a run that errored records False or nothing, and fails."""
+    result = {k: True for k in serve_chat.CHECKS}
+    assert serve_chat.all_checks_pass(result)
+    for k in serve_chat.CHECKS:
+        assert not serve_chat.all_checks_pass({**result, k: False})
+    assert not serve_chat.all_checks_pass({})
