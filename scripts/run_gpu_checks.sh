@@ -39,6 +39,10 @@
 #              vocabulary; SERVE_TOKENIZER: any tokenizer whose ids the model takes);
 #              SERVE_FLAGS adds vllm serve flags (e.g. "--max-num-batched-tokens 16384"),
 #              SERVE_TAG a suffix to the result names (CONFIG-TAG-cN.json)
+#   bench-chunked  bench with CUDA graphs and chunked prefill (8,192 tokens per step) on a
+#              32K prompt, decode ITL, and a profile of a 16K prompt's chunks beside 8
+#              decoding requests (pcp2, pcp2-dcp2); BENCH_CHUNKED_CONFIGS picks
+#              configurations (default pcp1,pcp2,pcp2-dcp2); the other BENCH_* are fixed
 # bench: BENCH_CONFIGS, BENCH_PROMPT_LENS, BENCH_PROFILE ("--profile-decode 16": decode steps
 # instead of a 32K prefill; empty: no profile), BENCH_PROFILE_CONFIGS override; BENCH_PARALLEL_ONE_GPU= (empty)
 # runs the one-GPU configurations one after the other (cleaner ITL); BENCH_EAGER= (empty)
@@ -97,7 +101,12 @@ case "$stage" in
       --configs "${TP_DCP_CONFIGS:-pcp1,pcp1-graphs,tp2-dcp2-i1,tp2-dcp2-i8,tp2-dcp2-i16,tp2-dcp2-i8-graphs}" \
       --raw "$work/raw-tp-dcp.json" > "$work/tp-dcp.log" 2>&1
     tail -n 30 "$work/tp-dcp.log" ;;
-  bench)
+  bench|bench-chunked)
+    if [ "$stage" = bench-chunked ]; then  # ttft-chunked.json, itl.json, mixed-step profiles
+      BENCH_EAGER= BENCH_CHUNK=8192 BENCH_PARALLEL_ONE_GPU= BENCH_PROMPT_LENS=32768
+      BENCH_CONFIGS=${BENCH_CHUNKED_CONFIGS:-pcp1,pcp2,pcp2-dcp2}
+      BENCH_PROFILE="--profile-len 16384 --profile-mixed" BENCH_PROFILE_CONFIGS=pcp2,pcp2-dcp2
+    fi
     python3 "$here/bench_pcp.py" run ${BENCH_EAGER---eager} ${BENCH_CHUNK:+--chunk $BENCH_CHUNK} \
       ${BENCH_PARALLEL_ONE_GPU---parallel-one-gpu} \
       --configs "${BENCH_CONFIGS:-pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2}" \
