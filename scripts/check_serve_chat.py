@@ -134,6 +134,15 @@ def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
         proc.wait(timeout=60)
 
 
+CHECKS = ("same_text", "bad_request_is_4xx", "serves_after_bad_request",
+          "serves_after_abort_mid_prefill")
+
+
+def all_checks_pass(result: dict) -> bool:
+    """The run's verdict (its exit status): every check of ``CHECKS`` holds."""
+    return all(result.get(k) is True for k in CHECKS)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -169,15 +178,6 @@ def main() -> None:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
     sys.exit(0 if all_checks_pass(result) else 1)
-
-
-CHECKS = ("same_text", "bad_request_is_4xx", "serves_after_bad_request",
-          "serves_after_abort_mid_prefill")
-
-
-def all_checks_pass(result: dict) -> bool:
-    """The run's verdict (its exit status): every check of ``CHECKS`` holds."""
-    return all(result.get(k) is True for k in CHECKS)
 
 
 if __name__ == "__main__":
