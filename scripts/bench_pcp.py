@@ -246,6 +246,20 @@ def report(args) -> None:
             json.dump({"meta": {**meta, "command": args.gsm8k_command}, **gsm8k}, f, indent=1)
 
 
+def print_tables(args) -> None:
+    """The README's performance tables, from the committed result files."""
+    from bench_report import serve_table, timing_table
+
+    def load(path):
+        with open(path) as f:
+            return json.load(f)
+
+    if args.ttft:
+        print(timing_table(load(args.ttft), load(args.itl) if args.itl else None) + "\n")
+    if args.serve:
+        print(serve_table([load(p) for p in args.serve]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -301,7 +315,14 @@ def main() -> None:
     p.add_argument("--serve-note", default="", help="stored as serve.json's meta.note")
     p.add_argument("--gsm8k-dir", help="folder of scripts/eval_gsm8k.sh results gsm8k-CONFIG.json")
     p.add_argument("--gsm8k-command", default="", help="how the gsm8k results were made")
+    t = sub.add_parser("table", help="print the README's markdown tables from result files")
+    t.add_argument("--ttft", help="ttft.json or ttft-chunked.json")
+    t.add_argument("--itl", help="itl.json: its columns join the --ttft table")
+    t.add_argument("--serve", nargs="+", help="serve.json files: one serving table")
     args = ap.parse_args()
+    if args.cmd == "table":
+        print_tables(args)
+        return
     if args.cmd == "model":
         print(bench_model(args.out_dir))
         return

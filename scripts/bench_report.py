@@ -120,3 +120,70 @@ def write_reports(raw: dict, meta: dict, out_dir: str) -> dict:
     if ttft:
         plot(ttft, os.path.join(out_dir, "ttft.png"))
     return summary
+
+
+LABELS = {"pcp1-stock": "stock vLLM, 1 GPU", "pcp1": "plugin, 1 GPU", "pcp2": "`-pcp 2`",
+          "pcp2-dcp2": "`-pcp 2 -dcp 2`", "tp2": "`-tp 2`"}
+
+
+def _label(config: str) -> str:
+    return LABELS.get(config, f"`{config}`")
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
+def timing_table(ttft: dict, itl: dict | None = None, baseline: str = "pcp1") -> str:
+    """A markdown table of one run's medians in ms, a row per configuration.
+
+    TTFT columns (per prompt length) carry the speed-up over ``baseline``
+    (``baseline / config``); ITL columns (per batch) the ratio to it
+    (``config / baseline``), the form of the goals they answer."""
+    itl_rows = (itl or {}).get("rows", [])
+    configs = list(dict.fromkeys(r["config"] for r in ttft["rows"] + itl_rows))
+    cols = ([("ttft", n) for n in sorted({r["prompt_len"] for r in ttft["rows"]})]
+            + [("itl", b) for b in sorted({r["batch"] for r in itl_rows})])
+    med = {(r["config"], "ttft", r["prompt_len"]): r["median_s"] for r in ttft["rows"]}
+    med.update({(r["config"], "itl", r["batch"]): r["median_s"] for r in itl_rows})
+    head = [f"TTFT {_k(n)} (speed-up)" if kind == "ttft" else f"ITL batch {n} (x 1 GPU)"
+            for kind, n in cols]
+    lines = ["| ms | " + " | ".join(head) + " |", "| --- " * (len(cols) + 1) + "|"]
+    for config in configs:
+        cells = []
+        for kind, n in cols:
+            value, base = med.get((config, kind, n)), med.get((baseline, kind, n))
+            if value is None:
+                cells.append("")
+                continue
+            precision = ".0f" if value * 1e3 >= 100 else ".1f" if value * 1e3 >= 10 else ".2f"
+            cell = f"{value * 1e3:{precision}}"
+            if base is not None and config != baseline:
+                cell += f" ({(base / value if kind == 'ttft' else value / base):.2f}x)"
+            cells.append(cell)
+        lines.append(f"| {_label(config)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def serve_table(docs: list[dict]) -> str:
+    """A markdown table of ``vllm bench serve`` percentiles (ms) from serve.json files,
+    a row per configuration, each cell ``concurrency 4 / 16`` (as many as were run)."""
+    rows = [(r, doc["meta"]["git_rev"][:7]) for doc in docs for r in doc["rows"]]
+    configs = list(dict.fromkeys((r["config"], rev) for r, rev in rows))
+    keys = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p50_itl_ms", "p99_itl_ms")
+    concs = sorted({r["max_concurrency"] for r, _ in rows})
+    lines = ["| ms, concurrency " + " / ".join(map(str, concs)) + " | "
+             + " | ".join(k.removesuffix("_ms").replace("_", " ").upper() for k in keys)
+             + " | revision |", "| --- " * (len(keys) + 2) + "|"]
+    for config, rev in configs:
+        by_conc = {r["max_concurrency"]: r for r, v in rows if (r["config"], v) == (config, rev)}
+        cells = [" / ".join(_ms(by_conc[c].get(k)) if c in by_conc else "-" for c in concs)
+                 for k in keys]
+        lines.append(f"| {_label(config)} | " + " | ".join(cells) + f" | {rev} |")
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"

@@ -115,10 +115,14 @@ case "$stage" in
       --profile-configs "${BENCH_PROFILE_CONFIGS:-pcp1,pcp2,pcp2-dcp2}" \
       --raw "$work/bench.json" \
       2>&1 | tee "$work/bench.log" | grep -E "^(pcp|tp)"
+    rc=$?  # the stage's status is the bench run's
     for dir in "$work"/profile-*/; do  # the traces stay here; their per-step summary travels
-      ls "$dir"*.pt.trace.json* > /dev/null 2>&1 && python3 "$here/trace_steps.py" \
-        "$dir"*.pt.trace.json* --out "$dir/steps.json" > "$dir/steps.txt" 2>&1
-    done ;;
+      if ls "$dir"*.pt.trace.json* > /dev/null 2>&1; then  # no profile: not a failure
+        python3 "$here/trace_steps.py" "$dir"*.pt.trace.json* --out "$dir/steps.json" \
+          > "$dir/steps.txt" 2>&1
+      fi
+    done
+    exit "$rc" ;;
   bench-serve)  # one server at a time: vllm bench serve times them
     python3 "$here/bench_pcp.py" model --out-dir /tmp/bench-models/qwen2.5-3b-shape
     for config in ${SERVE_CONFIGS:-pcp1 pcp2 pcp2-dcp2 tp2}; do

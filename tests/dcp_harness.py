@@ -107,7 +107,8 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
         q_step = q.to(device, dtype)
         if graph_rows is not None:
             captured = _capture_like_vllm(attn, world, rank, interleave, graph_rows, table)
-            q_step = torch.cat([q_step, torch.randn(max(0, graph_rows - len(q)), hq, dim).to(q_step)])
+            pad = torch.randn(max(0, graph_rows - len(q)), hq, dim).to(q_step)
+            q_step = torch.cat([q_step, pad])
         attn.plan(plan, table, graph_rows, kv_gathered=not heads_gathered)
         if graph_rows is not None:
             assert attn._decode_now is captured  # a replay runs the captured wrapper

@@ -163,3 +163,45 @@ def test_profile_flags_reach_only_the_profiled_configs():
                                    "pcp2") == []
     assert "--profile-mixed" not in bench_pcp._profile_args(
         SimpleNamespace(**{**vars(args), "profile_mixed": False}), "pcp2")
+
+
+def test_timing_table_gives_ttft_speed_ups_and_itl_ratios_against_one_gpu():
+    ttft = {"rows": bench_report._ttft_rows(RAW)}
+    itl = {"rows": bench_report._itl_rows(RAW)
+           + [{"config": "pcp2", "context": 32768, "batch": 1, "median_s": 0.0099}]}
+    lines = bench_report.timing_table(ttft, itl).split("\n")
+    assert lines[0] == "| ms | TTFT 32K (speed-up) | ITL batch 1 (x 1 GPU) |"
+    assert lines[2] == "| plugin, 1 GPU | 590 | 11.0 |"
+    assert lines[3] == f"| `-pcp 2` | 310 ({0.59 / 0.31:.2f}x) | 9.90 ({0.0099 / 0.011:.2f}x) |"
+    assert len(lines) == 4  # tp2 failed: no row
+
+
+def test_serve_table_puts_both_concurrencies_in_a_cell_and_names_each_rows_revision():
+    row = {"p50_ttft_ms": 537.2, "p90_ttft_ms": 679.0, "p50_tpot_ms": 4.61,
+           "p50_itl_ms": 3.72, "p99_itl_ms": 63.1}
+    docs = [{"meta": {"git_rev": "87d2d5d3c1"},
+             "rows": [{"config": "pcp2", "max_concurrency": 4, **row},
+                      {"config": "pcp2", "max_concurrency": 16,
+                       **{k: 2 * v for k, v in row.items()}}]},
+            {"meta": {"git_rev": "fc2d1fc819"},
+             "rows": [{"config": "tp2", "max_concurrency": 4, **row}]}]
+    lines = bench_report.serve_table(docs).split("\n")
+    assert lines[0].startswith("| ms, concurrency 4 / 16 | P50 TTFT |")
+    assert lines[2] == "| `-pcp 2` | 537 / 1074 | 679 / 1358 | 4.6 / 9.2 | 3.7 / 7.4 | " \
+                       "63.1 / 126 | 87d2d5d |"
+    assert lines[3] == "| `-tp 2` | 537 / - | 679 / - | 4.6 / - | 3.7 / - | 63.1 / - | fc2d1fc |"
+
+
+def test_readme_performance_tables_are_the_ones_the_result_files_give():
+    root = os.path.join(os.path.dirname(__file__), "..")
+    results = os.path.join(root, "benchmarks", "results")
+
+    def load(name):
+        with open(os.path.join(results, name)) as f:
+            return json.load(f)
+
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    assert bench_report.timing_table(load("ttft.json")) in readme
+    assert bench_report.timing_table(load("ttft-chunked.json"), load("itl.json")) in readme
+    assert bench_report.serve_table([load("serve.json"), load("serve-tp2.json")]) in readme
