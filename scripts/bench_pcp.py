@@ -187,9 +187,10 @@ def run(args) -> None:
                "--prompt-lens", args.prompt_lens, "--repeats", str(args.repeats),
                "--itl-repeats", str(args.itl_repeats), "--chunk", str(args.chunk),
                "--out", out] + (["--eager"] if args.eager else []) + _profile_args(args, config)
+        log = os.path.join(os.path.dirname(os.path.abspath(args.raw)), f"{config}.log")
         raw["runs"].append(run_worker(cmd, out, "rows", {"config": config},
                                       {**CONFIGS[config][1], **env},
-                                      extra=("kv_capacity_tokens",)))
+                                      extra=("kv_capacity_tokens",), log=log))
         with open(args.raw, "w") as f:
             json.dump(raw, f)
 

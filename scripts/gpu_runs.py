@@ -32,16 +32,19 @@ def versions() -> dict:
 
 
 def run_worker(cmd: list[str], out: str, key: str, entry: dict, env: dict | None = None,
-               extra: tuple[str, ...] = ()) -> dict:
+               extra: tuple[str, ...] = (), log: str | None = None) -> dict:
     """Run ``cmd`` (which writes JSON to ``out``); return ``entry`` with the
     return code, seconds, and ``out[key]`` and ``out[extra...]`` -- or the log
-    tail on failure."""
+    tail on failure. ``log``: a file for the whole of the worker's output."""
     if os.path.exists(out):
         os.remove(out)  # never report an earlier run's file
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     entry = {**entry, "returncode": proc.returncode,
              "seconds": round(time.perf_counter() - start, 1)}
+    if log:
+        with open(log, "w") as f:
+            f.write(proc.stdout + proc.stderr)
     if proc.returncode == 0 or os.path.exists(out):  # a failed run may have saved a part
         with open(out) as f:
             data = json.load(f)

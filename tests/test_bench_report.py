@@ -205,3 +205,24 @@ def test_readme_performance_tables_are_the_ones_the_result_files_give():
     assert bench_report.timing_table(load("ttft.json")) in readme
     assert bench_report.timing_table(load("ttft-chunked.json"), load("itl.json")) in readme
     assert bench_report.serve_table([load("serve.json"), load("serve-tp2.json")]) in readme
+
+
+def test_run_keeps_each_engines_log_beside_the_raw_file(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import bench_pcp
+    import gpu_runs
+
+    seen = []
+    monkeypatch.setattr(bench_pcp, "bench_model", lambda **kw: "/models/m")
+    monkeypatch.setattr(gpu_runs, "versions", lambda: {"gpu": "none"})
+    monkeypatch.setattr(gpu_runs, "run_worker", lambda cmd, out, key, entry, env, extra, log:
+                        seen.append(log) or {**entry, "returncode": 0})
+    args = SimpleNamespace(prompt_lens="4096", repeats=1, itl_repeats=1, chunk=0, eager=True,
+                           parallel_one_gpu=False, profile_len=0, profile_decode=0,
+                           profile_mixed=False, profile_configs="", configs="pcp1,pcp2",
+                           raw=str(tmp_path / "bench.json"))
+    bench_pcp.run(args)
+    assert seen == [str(tmp_path / "pcp1.log"), str(tmp_path / "pcp2.log")]
+    assert [r["config"] for r in json.load(open(tmp_path / "bench.json"))["runs"]] == \
+        ["pcp1", "pcp2"]

@@ -157,6 +157,20 @@ def test_run_worker_keeps_a_failed_runs_saved_part_and_never_a_stale_file(tmp_pa
     assert entry["returncode"] == 1 and "rows" not in entry
 
 
+def test_run_worker_keeps_the_whole_output_of_a_successful_run_when_asked(tmp_path):
+    import sys
+
+    from gpu_runs import run_worker
+
+    out, log = tmp_path / "w.json", tmp_path / "w.log"
+    script = ("import json, sys; print('engine up in 12 s'); print('warn', file=sys.stderr);"
+              " json.dump({'rows': [1]}, open(sys.argv[1], 'w'))")
+    entry = run_worker([sys.executable, "-c", script, str(out)], str(out), "rows",
+                       {"config": "x"}, log=str(log))
+    assert entry["returncode"] == 0 and "log_tail" not in entry
+    assert log.read_text() == "engine up in 12 s\nwarn\n"
+
+
 def test_pcp_exactness_runs_split_every_prompt():
     """The default threshold keeps short prompts whole; the exactness runs must split them."""
     from types import SimpleNamespace
