@@ -94,7 +94,7 @@ def measure(args) -> None:
 
         extra["profiler_config"] = ProfilerConfig(
             profiler="torch", torch_profiler_dir=os.path.abspath(args.profile_dir),
-            torch_profiler_with_stack=False, torch_profiler_use_gzip=True)
+            torch_profiler_with_stack=args.profile_stack, torch_profiler_use_gzip=True)
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=max_len,
               max_num_batched_tokens=args.chunk or max_len,
@@ -169,7 +169,8 @@ def _profile_args(args, config: str) -> list[str]:
     out_dir = os.path.join(os.path.dirname(os.path.abspath(args.raw)), f"profile-{config}")
     return (["--profile-len", str(args.profile_len), "--profile-decode",
              str(args.profile_decode), "--profile-dir", out_dir]
-            + (["--profile-mixed"] if args.profile_mixed else []))
+            + (["--profile-mixed"] if args.profile_mixed else [])
+            + (["--profile-stack"] if args.profile_stack else []))
 
 
 def run(args) -> None:
@@ -286,6 +287,9 @@ def main() -> None:
                    help="with --profile-len: the prefill runs beside the 8 cached ITL "
                         "requests decoding (serving's mixed steps; with --chunk, chunks "
                         "with context)")
+    r.add_argument("--profile-stack", action="store_true",
+                   help="record Python stacks too (slower steps; trace_steps.py "
+                        "--python-out attributes the attention layer's host time)")
     r.add_argument("--profile-configs", default="",
                    help="comma-separated configurations to profile (default: all)")
     r.add_argument("--raw", required=True)
@@ -300,6 +304,7 @@ def main() -> None:
     m.add_argument("--profile-len", type=int, default=0)
     m.add_argument("--profile-decode", type=int, default=0)
     m.add_argument("--profile-mixed", action="store_true")
+    m.add_argument("--profile-stack", action="store_true")
     m.add_argument("--profile-dir", default="")
     m.add_argument("--out", required=True)
     b = sub.add_parser("model", help="write the bench model's folder (for vllm serve)")

@@ -42,7 +42,9 @@
 #   bench-chunked  bench with CUDA graphs and chunked prefill (8,192 tokens per step) on a
 #              32K prompt, decode ITL, and a profile of a 16K prompt's chunks beside 8
 #              decoding requests (pcp2, pcp2-dcp2); BENCH_CHUNKED_CONFIGS picks
-#              configurations (default pcp1,pcp2,pcp2-dcp2); the other BENCH_* are fixed
+#              configurations (default pcp1,pcp2,pcp2-dcp2); BENCH_PROFILE_STACK=1 records
+#              Python stacks and writes python.json (the attention layer's host time per
+#              Python function) beside steps.json; the other BENCH_* are fixed
 # bench: BENCH_CONFIGS, BENCH_PROMPT_LENS, BENCH_PROFILE ("--profile-decode 16": decode steps
 # instead of a 32K prefill; empty: no profile), BENCH_PROFILE_CONFIGS override; BENCH_PARALLEL_ONE_GPU= (empty)
 # runs the one-GPU configurations one after the other (cleaner ITL); BENCH_EAGER= (empty)
@@ -105,7 +107,8 @@ case "$stage" in
     if [ "$stage" = bench-chunked ]; then  # ttft-chunked.json, itl.json, mixed-step profiles
       BENCH_EAGER= BENCH_CHUNK=8192 BENCH_PARALLEL_ONE_GPU= BENCH_PROMPT_LENS=32768
       BENCH_CONFIGS=${BENCH_CHUNKED_CONFIGS:-pcp1,pcp2,pcp2-dcp2}
-      BENCH_PROFILE="--profile-len 16384 --profile-mixed" BENCH_PROFILE_CONFIGS=pcp2,pcp2-dcp2
+      BENCH_PROFILE="--profile-len 16384 --profile-mixed${BENCH_PROFILE_STACK:+ --profile-stack}"
+      BENCH_PROFILE_CONFIGS=pcp2,pcp2-dcp2
     fi
     python3 "$here/bench_pcp.py" run ${BENCH_EAGER---eager} ${BENCH_CHUNK:+--chunk $BENCH_CHUNK} \
       ${BENCH_PARALLEL_ONE_GPU---parallel-one-gpu} \
@@ -119,7 +122,7 @@ case "$stage" in
     for dir in "$work"/profile-*/; do  # the traces stay here; their per-step summary travels
       if ls "$dir"*.pt.trace.json* > /dev/null 2>&1; then  # no profile: not a failure
         python3 "$here/trace_steps.py" "$dir"*.pt.trace.json* --out "$dir/steps.json" \
-          > "$dir/steps.txt" 2>&1
+          ${BENCH_PROFILE_STACK:+--python-out "$dir/python.json"} > "$dir/steps.txt" 2>&1
       fi
     done
     exit "$rc" ;;

@@ -7,8 +7,10 @@ twice, as a host span (``user_annotation``) and as the GPU span from its first t
 kernel (``gpu_user_annotation``). For each step and trace file this writes the host span,
 the GPU span, the GPU time covered by kernels (their union), NCCL kernels, FlashInfer
 kernels, and the GPU span left idle. NCCL time well above the peer rank's for the same
-step is waiting for that rank, not moving bytes. The traces are too big to bring back from
-the GPU host; this summary is small.
+step is waiting for that rank, not moving bytes. With ``--python-out`` (traces recorded with
+Python stacks, ``bench_pcp.py run --profile-stack``) it also writes where the attention
+layer's host time goes, per Python function. The traces are too big to bring back from the
+GPU host; these summaries are small.
 """
 from __future__ import annotations
 
@@ -65,6 +67,48 @@ def summarize_steps(events: list[dict]) -> list[dict]:
     return rows
 
 
+ATTENTION_OP = "vllm::unified_attention_with_output"
+
+
+def python_self_ms(events: list[dict], under: str = ATTENTION_OP, top: int = 30) -> list[dict]:
+    """Python self time inside the host spans of the op ``under`` (a trace recorded with
+    ``with_stack``): per Python function, its time less that of the host events it called
+    (Python functions and aten ops), summed over calls; the ``top`` largest, in ms.
+
+    ``events``: Chrome-trace events; host events nest by time within one (pid, tid).
+    """
+    host = [e for e in events if e.get("ph") == "X" and "dur" in e
+            and e.get("cat") in ("python_function", "cpu_op", "user_annotation")]
+    host.sort(key=lambda e: (str(e.get("pid")), str(e.get("tid")), e["ts"], -e["dur"]))
+    totals: dict[str, list[float]] = {}
+    stack: list[list] = []  # [event, time of its children, inside ``under``]
+    thread = None
+
+    def close(entry):
+        event, children, inside = entry
+        if inside and event["cat"] == "python_function":
+            total = totals.setdefault(event["name"], [0.0, 0])
+            total[0] += event["dur"] - children
+            total[1] += 1
+
+    for event in host:
+        if (event.get("pid"), event.get("tid")) != thread:
+            while stack:
+                close(stack.pop())
+            thread = (event.get("pid"), event.get("tid"))
+        while stack and stack[-1][0]["ts"] + stack[-1][0]["dur"] <= event["ts"]:
+            close(stack.pop())
+        inside = bool(stack) and (stack[-1][2] or stack[-1][0]["name"] == under)
+        if stack:
+            stack[-1][1] += event["dur"]
+        stack.append([event, 0.0, inside])
+    while stack:
+        close(stack.pop())
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"function": name, "self_ms": round(us / 1e3, 3), "calls": calls}
+            for name, (us, calls) in ranked]
+
+
 def _load(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -76,10 +120,16 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--python-out", help="traces recorded with Python stacks: the Python "
+                    f"self time inside {ATTENTION_OP} per function, to this file")
     args = ap.parse_args()
-    result = {os.path.basename(p): summarize_steps(_load(p)) for p in sorted(args.traces)}
+    events = {os.path.basename(p): _load(p) for p in sorted(args.traces)}
+    result = {name: summarize_steps(ev) for name, ev in events.items()}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    if args.python_out:
+        with open(args.python_out, "w") as f:
+            json.dump({name: python_self_ms(ev) for name, ev in events.items()}, f, indent=1)
     for name, rows in result.items():
         print(name)
         for r in rows:

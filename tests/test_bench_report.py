@@ -154,9 +154,12 @@ def test_profile_flags_reach_only_the_profiled_configs():
     import bench_pcp
 
     args = SimpleNamespace(profile_len=16384, profile_decode=0, profile_mixed=True,
-                           profile_configs="pcp2,pcp2-dcp2", raw="/tmp/x/raw.json")
+                           profile_stack=False, profile_configs="pcp2,pcp2-dcp2",
+                           raw="/tmp/x/raw.json")
     flags = bench_pcp._profile_args(args, "pcp2-dcp2")
     assert flags[:2] == ["--profile-len", "16384"] and flags[-1] == "--profile-mixed"
+    assert bench_pcp._profile_args(SimpleNamespace(**{**vars(args), "profile_stack": True}),
+                                   "pcp2")[-1] == "--profile-stack"
     assert flags[flags.index("--profile-dir") + 1] == "/tmp/x/profile-pcp2-dcp2"
     assert bench_pcp._profile_args(args, "pcp1") == []
     assert bench_pcp._profile_args(SimpleNamespace(**{**vars(args), "profile_len": 0}),
@@ -220,7 +223,8 @@ def test_run_keeps_each_engines_log_beside_the_raw_file(tmp_path, monkeypatch):
                         seen.append(log) or {**entry, "returncode": 0})
     args = SimpleNamespace(prompt_lens="4096", repeats=1, itl_repeats=1, chunk=0, eager=True,
                            parallel_one_gpu=False, profile_len=0, profile_decode=0,
-                           profile_mixed=False, profile_configs="", configs="pcp1,pcp2",
+                           profile_mixed=False, profile_stack=False, profile_configs="",
+                           configs="pcp1,pcp2",
                            raw=str(tmp_path / "bench.json"))
     bench_pcp.run(args)
     assert seen == [str(tmp_path / "pcp1.log"), str(tmp_path / "pcp2.log")]

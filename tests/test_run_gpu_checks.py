@@ -21,8 +21,9 @@ print("pcp2 0 1.0 123")
 sys.exit(int(os.environ.get("BENCH_RC", "0")))
 """
 FAKE_TRACE_STEPS = """import sys
-out = sys.argv[sys.argv.index("--out") + 1]
-open(out, "w").write("{}")
+for flag in ("--out", "--python-out"):
+    if flag in sys.argv:
+        open(sys.argv[sys.argv.index(flag) + 1], "w").write("{}")
 print("steps of", sys.argv[1])
 """
 
@@ -65,9 +66,18 @@ def test_bench_chunked_times_graphs_in_chunks_and_summarises_its_profiles(tmp_pa
     assert args[args.index("--chunk") + 1] == "8192"
     assert args[args.index("--configs") + 1] == "pcp1-stock,pcp1,pcp2,pcp2-dcp2"
     assert args[args.index("--profile-len") + 1] == "16384" and "--profile-mixed" in args
+    assert "--profile-stack" not in args
     assert args[args.index("--profile-configs") + 1] == "pcp2,pcp2-dcp2"
     steps = tmp_path / "checks" / "bench-chunked" / "profile-pcp2" / "steps.txt"
     assert steps.read_text().startswith("steps of")
     names = tarfile.open(tmp_path / "out" / "bench-chunked.tgz").getnames()
     assert "bench-chunked/profile-pcp2/steps.json" in names
     assert not any(n.endswith(".pt.trace.json.gz") for n in names)
+
+
+def test_bench_chunked_with_python_stacks_writes_their_summary(tmp_path):
+    res, args = _run(tmp_path, "bench-chunked", PROFILE_TRACE="1", BENCH_PROFILE_STACK="1")
+    assert res.returncode == 0, res.stderr
+    assert "--profile-stack" in args and "--profile-mixed" in args
+    profile = tmp_path / "checks" / "bench-chunked" / "profile-pcp2"
+    assert (profile / "python.json").exists() and (profile / "steps.json").exists()

@@ -46,3 +46,24 @@ def test_cli_reads_gzipped_traces(tmp_path):
                    capture_output=True)
     rows = json.load(open(out))["rank0.pt.trace.json.gz"]
     assert [r["gpu_span_ms"] for r in rows] == [0.1, 0.01]
+
+
+def test_python_self_time_inside_the_attention_op_leaves_out_what_it_calls():
+    from trace_steps import ATTENTION_OP, python_self_ms
+
+    def host(cat, name, ts, dur, tid=1):
+        return {**_x(cat, name, ts, dur), "pid": 7, "tid": tid}
+
+    events = [
+        host("cpu_op", ATTENTION_OP, 0, 100),
+        host("python_function", "dcp_attention.py(212): run", 5, 55),
+        host("cpu_op", "aten::index_select", 10, 10),
+        host("python_function", "flashinfer/prefill.py(900): run", 30, 20),
+        host("python_function", "dcp_attention.py(212): run", 70, 20),
+        host("python_function", "dcp_attention.py(212): run", 200, 10),  # outside the op
+        host("python_function", "other thread", 6, 50, tid=2),  # not inside: another thread
+        _x("kernel", "nvjet_gemm", 10, 80),  # device events do not nest
+    ]
+    assert python_self_ms(events) == [
+        {"function": "dcp_attention.py(212): run", "self_ms": 0.045, "calls": 2},
+        {"function": "flashinfer/prefill.py(900): run", "self_ms": 0.02, "calls": 1}]
