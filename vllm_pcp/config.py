@@ -61,8 +61,9 @@ _KNOBS = ("pcp_min_split_tokens", "pcp_dcp_context_exchange")
 CONTEXT_EXCHANGES = ("auto", "queries", "keys")
 
 # A fresh 4K prompt split over 2 x H200 reached its first token 1.12x later than on one
-# GPU, while 32K and 128K prompts gained 1.85x and 1.92x; unsplit below 8192 tokens the 4K
-# prompt is within 1 % of one GPU (benchmarks/results/ttft.json, config pcp2-min8k).
+# GPU, while 32K and 128K prompts gained 1.85x and 1.92x (benchmarks/results/run-45a125d/
+# ttft.json); unsplit below 8192 tokens the 4K prompt is within 1 % of one GPU
+# (run-94ba6c7/ttft.json, pcp2-min8k).
 DEFAULT_MIN_SPLIT_TOKENS = 8192
 
 
