@@ -2,10 +2,21 @@
 # A whole GPU sitting as one background job, so that no stage waits on a call boundary
 # and none is cut by the 10-minute limit of one device command.
 #
+#   bash scripts/gpu_sitting.sh stash                # every transfer: keep what it carried
+#   setsid nohup bash scripts/gpu_sitting.sh setup MODEL... > /dev/null 2>&1 < /dev/null &
 #   setsid nohup bash scripts/gpu_sitting.sh start > /tmp/sitting.log 2>&1 < /dev/null &
 #   bash scripts/gpu_sitting.sh snapshot OUT_DIR     # later calls: progress + files so far
 #   bash scripts/gpu_sitting.sh jit OUT_DIR          # FlashInfer's compiled kernels, in parts
 #   bash scripts/gpu_sitting.sh restore-jit DIR      # next host: unpack them before the start
+#
+# On the offline host files arrive in transfers of at most 64 MiB, and a path carried in one
+# is gone from the project folder in the next. `stash` keeps each transfer's files in $STASH
+# (default /tmp): the bundle's parts (.gpu/install.sh), the model parts (.gpu/models/
+# prepare.sh), .gpu/jit, .gpu/gsm8k and .gpu/extra. `setup` runs once the bundle is complete,
+# detached (setsid: a plain background job dies with its device call): it installs the bundle
+# and a copy of the project, the extra wheels, the FlashInfer kernels of .gpu/jit, then builds
+# each MODEL as soon as its parts have all arrived (SETUP_WAIT_S, default 900). `start` waits
+# for a setup in progress to end. Both log to the progress log.
 #
 # Order: kernels, bench (the GPUs to itself: it times), then exact-dcp and serve side by
 # side (neither times anything). Each stage of scripts/run_gpu_checks.sh keeps its work
@@ -20,22 +31,78 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=${GPU_CHECKS_DIR:-/tmp/gpu-checks}
 progress=$root/progress.log
+stash=${STASH:-/tmp}
 mkdir -p "$root/tgz"
 
+log() { echo "$(date +%T) $*" >> "$progress"; }
+
+use_site() {  # the bundle `setup` installs
+  if [ -d "$stash/site" ]; then export PYTHONPATH=$stash/site${PYTHONPATH:+:$PYTHONPATH}; fi
+  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+}
+
 stage() {
-  echo "$(date +%T) start $1" >> "$progress"
+  log "start $1"
   bash "$here/run_gpu_checks.sh" "$1" "$root/tgz" > "$root/$1.out" 2>&1
-  local rc=$?
-  echo "$(date +%T) end $1 rc=$rc" >> "$progress"
+  log "end $1 rc=$?"
+}
+
+run_stashed() {  # NAME ARGS: .gpu/models/NAME or .gpu/NAME as carried now, else its stashed copy
+  local name=$1; shift
+  for f in ".gpu/$name" ".gpu/models/$name" "$stash/gpu-stage/$name" "$stash/model-stage/$name"; do
+    [ -f "$f" ] && { bash "$f" "$@"; return; }
+  done
+  echo "$name: not carried yet" >&2; return 127
+}
+
+restore_jit() {  # DIR: unpack the part-NN of `jit` into ~/.cache
+  mkdir -p "$HOME/.cache"
+  cat "$1"/part-* | tar xzf - -C "$HOME/.cache"
+}
+
+setup() {  # MODEL...: install, then each model once its parts are in
+  trap 'log "setup done"' EXIT  # also after a failure: start waits for this line
+  log "setup start"
+  rm -rf "$stash/pcp-src" && mkdir -p "$stash/pcp-src"
+  tar cf - --exclude=./.gpu . | tar xf - -C "$stash/pcp-src"
+  cd "$stash/pcp-src" || return  # the project folder changes with every device call
+  run_stashed install.sh --install > "$root/setup-install.log" 2>&1
+  log "setup install rc=$? $(tail -n 1 "$root/setup-install.log")"
+  use_site
+  if ls "$stash"/extra/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target "$stash/site" "$stash"/extra/*.whl
+  fi
+  if ls "$stash"/jit/part-* > /dev/null 2>&1; then restore_jit "$stash/jit"; fi
+  for model in "$@"; do
+    local waited=0
+    until run_stashed prepare.sh 2> /dev/null | grep -q "^$model: \([0-9]\+\) of \1 parts$"; do
+      [ "$waited" -ge "${SETUP_WAIT_S:-900}" ] && break
+      sleep 2; waited=$((waited + 2))
+    done
+    run_stashed prepare.sh --build "$model" > "$root/setup-$model.log" 2>&1
+    log "setup model $model rc=$?"
+  done
 }
 
 case "${1:-}" in
+  stash)
+    run_stashed install.sh > /dev/null 2>&1
+    run_stashed prepare.sh 2> /dev/null
+    for d in jit gsm8k extra; do
+      if [ -d ".gpu/$d" ]; then mkdir -p "$stash/$d" && cp -r ".gpu/$d/." "$stash/$d/"; fi
+    done
+    echo "bundle parts: $(ls "$stash/gpu-stage" 2>/dev/null | grep -c '^part')" ;;
+  setup)
+    shift; setup "$@" ;;
   start)
+    while grep -q "setup start" "$progress" 2>/dev/null && ! grep -q "setup done" "$progress"
+    do sleep 2; done
+    use_site
     for step in ${STAGES:-kernels bench exact-dcp+serve}; do
       for s in ${step//+/ }; do stage "$s" & done
       wait
     done
-    echo "$(date +%T) done" >> "$progress" ;;
+    log done ;;
   snapshot)
     mkdir -p "$2"
     tar czf "$2/snapshot.tgz" --exclude='*.pt.trace.json*' --exclude=tgz \
@@ -46,7 +113,7 @@ case "${1:-}" in
     tar czf - -C "$HOME/.cache" flashinfer | split -b 15M -d - "$2/jit/part-"
     du -sh "$HOME/.cache/flashinfer" "$2/jit" ;;
   restore-jit)
-    mkdir -p "$HOME/.cache"
-    cat "$2"/part-* | tar xzf - -C "$HOME/.cache" ;;
-  *) echo "usage: $0 start | snapshot OUT_DIR | jit OUT_DIR | restore-jit DIR" >&2; exit 2 ;;
+    restore_jit "$2" ;;
+  *) echo "usage: $0 stash | setup MODEL... | start | snapshot OUT_DIR | jit OUT_DIR |" \
+          "restore-jit DIR" >&2; exit 2 ;;
 esac

@@ -17,7 +17,7 @@
 #              prompt (32768); DCP_CONFIGS and DCP_UNCHUNKED_CONFIGS pick configurations
 #              (also pcp2-dcp2-i8-keys / -queries: one context exchange forced); and the
 #              real models of DCP_TEXT_MODELS (default smollm2-text; empty: none) on GSM8K
-#              text (DATA_GSM8K, default .gpu/gsm8k) under DCP_TEXT_CONFIGS
+#              text (DATA_GSM8K, default .gpu/gsm8k, else $STASH/gsm8k) under DCP_TEXT_CONFIGS
 #   exact-tp-dcp  -tp 2 -dcp 2 (PCP = 1) at interleave 1, 8, 16 and with CUDA graphs
 #              against PCP = 1, the 1-kv-head model, chunked and unchunked prefill
 #              (TP_DCP_CONFIGS picks configurations)
@@ -29,7 +29,8 @@
 #   serve      vllm serve chat at PCP=1 and PCP=2 (with clients hanging up mid-prefill),
 #              and gsm8k through lm-eval at PCP=1,
 #              PCP=2 and PCP=2 x DCP=2 (MODEL_GSM8K; DATA_GSM8K: a folder with train.jsonl
-#              and test.jsonl, default .gpu/gsm8k of the checkout), servers side by side;
+#              and test.jsonl, default .gpu/gsm8k of the checkout, else $STASH/gsm8k),
+#              servers side by side;
 #              GSM8K_CONFIGS picks some ("pcp2-dcp2"; empty: chat and abort check only)
 #   bench-serve  vllm bench serve at concurrency 4 and 16 against one server at a time
 #              (SERVE_CONFIGS, default "pcp1 pcp2 pcp2-dcp2 tp2", also pcp2-dcp2-queries
@@ -59,6 +60,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 work=${GPU_CHECKS_DIR:-/tmp/gpu-checks}/$stage
 mkdir -p "$out" "$work"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+if [ -z "${DATA_GSM8K:-}" ] && [ ! -d "$here/../.gpu/gsm8k" ]; then  # where `stash` keeps it
+  export DATA_GSM8K=${STASH:-/tmp}/gsm8k
+fi
 ex() { python3 "$here/check_exactness.py" "$@"; }
 lanes() { ex run --overlap --kv-cache-gib 2 --gpu-memory-utilization 0.05 "$@"; }
 models=qwen2.5-3b-shape,llama-8kv-hd64,qwen2-mqa-1kv,smollm2

@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import time
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
 STUB = """#!/usr/bin/env bash
@@ -59,3 +60,106 @@ def test_jit_cache_travels_in_parts_and_unpacks_on_the_next_host(tmp_path):
                    timeout=60, env={**env, "HOME": str(tmp_path / "home2")})
     restored = tmp_path / "home2" / ".cache" / "flashinfer" / "0.6.14" / "90" / "kernel.so"
     assert restored.read_bytes() == (cache / "kernel.so").read_bytes()
+
+
+# stand-ins for the offline host's .gpu/install.sh and .gpu/models/prepare.sh: keep the
+# parts carried now in $STASH, report what is complete, "install" / "build" into $STASH
+FAKE_INSTALL = """set -e
+mkdir -p "$STASH/gpu-stage"; cp .gpu/parts/* "$STASH/gpu-stage/" 2>/dev/null || true
+[ -f .gpu/install.sh ] && cp .gpu/install.sh "$STASH/gpu-stage/install.sh"
+[ "${1:-}" = --install ] || exit 0
+[ -f "$STASH/gpu-stage/part01" ] || { echo "bundle incomplete"; exit 1; }
+mkdir -p "$STASH/site"; pwd > "$STASH/site/installed-from"; echo "vllm 0.26.0 gpus 2"
+"""
+FAKE_PREPARE = """set -e
+stage=$STASH/model-stage; mkdir -p "$stage"
+cp .gpu/models/parts/* "$stage/" 2>/dev/null || true
+[ -f .gpu/models/prepare.sh ] && cp .gpu/models/prepare.sh "$stage/prepare.sh"
+for want in "$stage"/*.want; do
+  [ -e "$want" ] || break; name=$(basename "$want" .want)
+  echo "$name: $(ls "$stage" | grep -c "^$name.part") of $(cat "$want") parts"
+done
+[ "${1:-}" = --build ] || exit 0
+[ "$(ls "$stage" | grep -c "^$2.part")" = "$(cat "$stage/$2.want")" ]
+mkdir -p "$STASH/models/$2"; echo "$PYTHONPATH" > "$STASH/models/$2/built"
+"""
+
+
+def _carry(proj, files):
+    """One device transfer: the project folder holds only what this one carried."""
+    shutil.rmtree(proj / ".gpu", ignore_errors=True)
+    for rel, text in files.items():
+        (proj / rel).parent.mkdir(parents=True, exist_ok=True)
+        (proj / rel).write_bytes(text if isinstance(text, bytes) else text.encode())
+    return proj
+
+
+def _jit_part(tmp_path):
+    src = tmp_path / "jit-src" / "flashinfer"
+    src.mkdir(parents=True)
+    (src / "kernel.so").write_text("compiled")
+    subprocess.run(["tar", "czf", str(tmp_path / "jit.tgz"), "-C", str(src.parent),
+                    "flashinfer"], check=True)
+    return (tmp_path / "jit.tgz").read_bytes()
+
+
+def test_staged_transfers_set_up_the_host_before_the_first_stage(tmp_path):
+    proj, stash = tmp_path / "proj", tmp_path / "stash"
+    (proj / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(SCRIPTS, "gpu_sitting.sh"), proj / "scripts" / "gpu_sitting.sh")
+    (proj / "scripts" / "run_gpu_checks.sh").write_text(STUB)
+    (proj / "pyproject.toml").write_text("[project]\n")
+    env = {**os.environ, "GPU_CHECKS_DIR": str(tmp_path / "checks"), "STASH": str(stash),
+           "HOME": str(tmp_path / "home"), "STAGES": "a"}
+    sitting = ["bash", "scripts/gpu_sitting.sh"]
+
+    def stash_call(files):
+        _carry(proj, files)
+        return subprocess.run(sitting + ["stash"], cwd=proj, env=env, check=True,
+                              capture_output=True, text=True, timeout=30).stdout
+
+    stash_call({".gpu/install.sh": FAKE_INSTALL, ".gpu/parts/part00": "p0"})
+    out = stash_call({".gpu/parts/part01": "p1", ".gpu/jit/part-00": _jit_part(tmp_path),
+                      ".gpu/gsm8k/test.jsonl": "{}\n", ".gpu/extra/none.txt": ""})
+    assert "bundle parts: 2" in out
+    setup = subprocess.Popen(sitting + ["setup", "m1"], cwd=proj, env=env)
+    progress = tmp_path / "checks" / "progress.log"
+    for _ in range(300):  # as on the host, the start comes after the setup has begun
+        if progress.exists() and "setup start" in progress.read_text():
+            break
+        time.sleep(0.05)
+    start = subprocess.Popen(sitting + ["start"], cwd=proj, env=env)
+    stash_call({".gpu/models/prepare.sh": FAKE_PREPARE, ".gpu/models/parts/m1.want": "2",
+                ".gpu/models/parts/m1.part00": "m"})
+    assert start.poll() is None  # the model is not complete: no stage yet
+    out = stash_call({".gpu/models/parts/m1.part01": "m"})
+    assert "m1: 2 of 2 parts" in out
+    assert setup.wait(timeout=30) == 0 and start.wait(timeout=30) == 0
+
+    events = [line.split(" ", 1)[1] for line in progress.read_text().splitlines()]
+    assert events[0] == "setup start" and events[1].startswith("setup install rc=0 vllm")
+    assert events[2:] == ["setup model m1 rc=0", "setup done", "start a", "end a rc=0", "done"]
+    assert (stash / "site" / "installed-from").read_text().strip() == str(stash / "pcp-src")
+    assert (stash / "pcp-src" / "pyproject.toml").exists()
+    assert not (stash / "pcp-src" / ".gpu").exists()
+    assert (stash / "models" / "m1" / "built").read_text().startswith(str(stash / "site"))
+    assert (tmp_path / "home" / ".cache" / "flashinfer" / "kernel.so").read_text() == "compiled"
+    assert (stash / "gsm8k" / "test.jsonl").exists()
+
+
+def test_start_goes_on_when_setup_fails(tmp_path):
+    proj, stash = tmp_path / "proj", tmp_path / "stash"
+    (proj / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(SCRIPTS, "gpu_sitting.sh"), proj / "scripts" / "gpu_sitting.sh")
+    (proj / "scripts" / "run_gpu_checks.sh").write_text(STUB)
+    _carry(proj, {".gpu/install.sh": FAKE_INSTALL, ".gpu/parts/part00": "p0"})
+    env = {**os.environ, "GPU_CHECKS_DIR": str(tmp_path / "checks"), "STASH": str(stash),
+           "HOME": str(tmp_path / "home"), "STAGES": "a", "SETUP_WAIT_S": "2"}
+    sitting = ["bash", "scripts/gpu_sitting.sh"]
+    subprocess.run(sitting + ["stash"], cwd=proj, env=env, check=True, timeout=30)
+    subprocess.run(sitting + ["setup", "m1"], cwd=proj, env=env, check=False, timeout=30)
+    subprocess.run(sitting + ["start"], cwd=proj, env=env, check=True, timeout=30)
+    progress = (tmp_path / "checks" / "progress.log").read_text()
+    assert "setup install rc=1 bundle incomplete" in progress
+    assert "setup model m1 rc=" in progress and "setup model m1 rc=0" not in progress
+    assert progress.index("setup done") < progress.index("start a")
