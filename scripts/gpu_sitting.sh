@@ -22,7 +22,8 @@
 # side (neither times anything). Each stage of scripts/run_gpu_checks.sh keeps its work
 # files in /tmp/gpu-checks/STAGE; a snapshot packs all of them (profiler traces left out)
 # into OUT_DIR/snapshot.tgz and prints the progress log. STAGES overrides the order
-# (default "kernels bench exact-dcp+serve"; "a+b" runs a and b at once).
+# (default "kernels bench exact-dcp+serve"; "a+b" runs a and b at once). `start` first logs
+# the variables that chose the sitting's stages and configurations.
 #
 # A fresh host spends about 4 minutes compiling FlashInfer's kernels; `jit` packs the ones
 # this host compiled (~/.cache/flashinfer) into OUT_DIR/jit/part-NN of 15 MiB (the device
@@ -98,6 +99,7 @@ case "${1:-}" in
     while grep -q "setup start" "$progress" 2>/dev/null && ! grep -q "setup done" "$progress"
     do sleep 2; done
     use_site
+    log "sitting $(env | grep -E '^(GIT_REV|STAGES|BENCH_|SERVE_|DCP_|TP_DCP_|GSM8K_|MODEL_|MODELS_|DATA_GSM8K|INPUT_LEN|PROMPTS)' | sort | tr '\n' ' ')"
     for step in ${STAGES:-kernels bench exact-dcp+serve}; do
       for s in ${step//+/ }; do stage "$s" & done
       wait

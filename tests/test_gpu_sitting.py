@@ -25,7 +25,7 @@ def _sitting(tmp_path):
 
 def test_stages_run_in_order_and_plus_joined_ones_at_once(tmp_path):
     env = _sitting(tmp_path)
-    env["STAGES"] = "a b+bad c"
+    env.update(STAGES="a b+bad c", SERVE_CONFIGS="pcp2 tp2", GIT_REV="abc")
     subprocess.run(["bash", str(tmp_path / "gpu_sitting.sh"), "start"], env=env, check=True,
                    timeout=30)
     order = (tmp_path / "checks" / "order").read_text().split("\n")[:-1]
@@ -33,6 +33,8 @@ def test_stages_run_in_order_and_plus_joined_ones_at_once(tmp_path):
     middle = order[2:6]  # b and bad overlap: both start before either ends
     assert sorted(middle[:2]) == ["start b", "start bad"]
     progress = (tmp_path / "checks" / "progress.log").read_text()
+    assert progress.split("\n")[0].endswith(
+        "sitting GIT_REV=abc SERVE_CONFIGS=pcp2 tp2 STAGES=a b+bad c ")
     assert "end bad rc=1" in progress and "end b rc=0" in progress
     assert progress.rstrip().endswith("done")
 
@@ -138,7 +140,9 @@ def test_staged_transfers_set_up_the_host_before_the_first_stage(tmp_path):
 
     events = [line.split(" ", 1)[1] for line in progress.read_text().splitlines()]
     assert events[0] == "setup start" and events[1].startswith("setup install rc=0 vllm")
-    assert events[2:] == ["setup model m1 rc=0", "setup done", "start a", "end a rc=0", "done"]
+    assert events[2:4] == ["setup model m1 rc=0", "setup done"]
+    assert events[4].startswith("sitting ") and "STAGES=a" in events[4]
+    assert events[5:] == ["start a", "end a rc=0", "done"]
     assert (stash / "site" / "installed-from").read_text().strip() == str(stash / "pcp-src")
     assert (stash / "pcp-src" / "pyproject.toml").exists()
     assert not (stash / "pcp-src" / ".gpu").exists()
