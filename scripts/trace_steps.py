@@ -123,13 +123,17 @@ def main() -> None:
     ap.add_argument("--python-out", help="traces recorded with Python stacks: the Python "
                     f"self time inside {ATTENTION_OP} per function, to this file")
     args = ap.parse_args()
-    events = {os.path.basename(p): _load(p) for p in sorted(args.traces)}
-    result = {name: summarize_steps(ev) for name, ev in events.items()}
+    result, python = {}, {}
+    for path in sorted(args.traces):  # one trace in memory at a time: each is large
+        events, name = _load(path), os.path.basename(path)
+        result[name] = summarize_steps(events)
+        if args.python_out:
+            python[name] = python_self_ms(events)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     if args.python_out:
         with open(args.python_out, "w") as f:
-            json.dump({name: python_self_ms(ev) for name, ev in events.items()}, f, indent=1)
+            json.dump(python, f, indent=1)
     for name, rows in result.items():
         print(name)
         for r in rows:

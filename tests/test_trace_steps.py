@@ -48,6 +48,26 @@ def test_cli_reads_gzipped_traces(tmp_path):
     assert [r["gpu_span_ms"] for r in rows] == [0.1, 0.01]
 
 
+def test_cli_summarises_each_trace_with_python_self_time(tmp_path):
+    from trace_steps import ATTENTION_OP
+
+    host = [{**_x("cpu_op", ATTENTION_OP, 0, 100), "pid": 1, "tid": 1},
+            {**_x("python_function", "run", 5, 40), "pid": 1, "tid": 1}]
+    traces = []
+    for rank, extra in ((0, []), (1, host)):
+        traces.append(tmp_path / f"rank{rank}.pt.trace.json")
+        traces[-1].write_text(json.dumps({"traceEvents": EVENTS + extra}))
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "trace_steps.py")
+    subprocess.run([sys.executable, script, *map(str, traces), "--out",
+                    str(tmp_path / "steps.json"), "--python-out", str(tmp_path / "py.json")],
+                   check=True, capture_output=True)
+    steps = json.load(open(tmp_path / "steps.json"))
+    assert [len(steps[f"rank{r}.pt.trace.json"]) for r in (0, 1)] == [2, 2]
+    assert json.load(open(tmp_path / "py.json")) == {
+        "rank0.pt.trace.json": [],
+        "rank1.pt.trace.json": [{"function": "run", "self_ms": 0.04, "calls": 1}]}
+
+
 def test_python_self_time_inside_the_attention_op_leaves_out_what_it_calls():
     from trace_steps import ATTENTION_OP, python_self_ms
 
