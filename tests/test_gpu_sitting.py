@@ -105,15 +105,20 @@ def _jit_part(tmp_path):
     return (tmp_path / "jit.tgz").read_bytes()
 
 
-def test_staged_transfers_set_up_the_host_before_the_first_stage(tmp_path):
+def _host_project(tmp_path, **env):
+    """A project folder on a stand-in host: (folder, stash, env, the sitting command)."""
     proj, stash = tmp_path / "proj", tmp_path / "stash"
     (proj / "scripts").mkdir(parents=True)
     shutil.copy(os.path.join(SCRIPTS, "gpu_sitting.sh"), proj / "scripts" / "gpu_sitting.sh")
     (proj / "scripts" / "run_gpu_checks.sh").write_text(STUB)
-    (proj / "pyproject.toml").write_text("[project]\n")
     env = {**os.environ, "GPU_CHECKS_DIR": str(tmp_path / "checks"), "STASH": str(stash),
-           "HOME": str(tmp_path / "home"), "STAGES": "a"}
-    sitting = ["bash", "scripts/gpu_sitting.sh"]
+           "HOME": str(tmp_path / "home"), "STAGES": "a", **env}
+    return proj, stash, env, ["bash", "scripts/gpu_sitting.sh"]
+
+
+def test_staged_transfers_set_up_the_host_before_the_first_stage(tmp_path):
+    proj, stash, env, sitting = _host_project(tmp_path)
+    (proj / "pyproject.toml").write_text("[project]\n")
 
     def stash_call(files):
         _carry(proj, files)
@@ -152,14 +157,8 @@ def test_staged_transfers_set_up_the_host_before_the_first_stage(tmp_path):
 
 
 def test_start_goes_on_when_setup_fails(tmp_path):
-    proj, stash = tmp_path / "proj", tmp_path / "stash"
-    (proj / "scripts").mkdir(parents=True)
-    shutil.copy(os.path.join(SCRIPTS, "gpu_sitting.sh"), proj / "scripts" / "gpu_sitting.sh")
-    (proj / "scripts" / "run_gpu_checks.sh").write_text(STUB)
+    proj, stash, env, sitting = _host_project(tmp_path, SETUP_WAIT_S="2")
     _carry(proj, {".gpu/install.sh": FAKE_INSTALL, ".gpu/parts/part00": "p0"})
-    env = {**os.environ, "GPU_CHECKS_DIR": str(tmp_path / "checks"), "STASH": str(stash),
-           "HOME": str(tmp_path / "home"), "STAGES": "a", "SETUP_WAIT_S": "2"}
-    sitting = ["bash", "scripts/gpu_sitting.sh"]
     subprocess.run(sitting + ["stash"], cwd=proj, env=env, check=True, timeout=30)
     subprocess.run(sitting + ["setup", "m1"], cwd=proj, env=env, check=False, timeout=30)
     subprocess.run(sitting + ["start"], cwd=proj, env=env, check=True, timeout=30)
