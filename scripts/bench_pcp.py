@@ -231,6 +231,7 @@ def report(args) -> None:
         raw["versions"] = _load_raw([args.versions_from])["versions"]
     meta = {"git_rev": args.git_rev, "command": args.command, **raw["versions"],
             "date": args.date or datetime.date.today().isoformat()}
+    os.makedirs(args.out_dir, exist_ok=True)
     if args.raw:  # the serving runs' flags are in their command, not in the raw run
         print(json.dumps(write_reports(raw, {
             **meta, "enforce_eager": raw["eager"],

@@ -75,8 +75,11 @@ setup() {  # MODEL...: install, then each model once its parts are in
   fi
   if ls "$stash"/jit/part-* > /dev/null 2>&1; then restore_jit "$stash/jit"; fi
   for model in "$@"; do
-    local waited=0
-    until run_stashed prepare.sh 2> /dev/null | grep -q "^$model: \([0-9]\+\) of \1 parts$"; do
+    local waited=0 listing
+    # the listing is read whole first: `prepare.sh | grep -q` fails under pipefail when grep
+    # stops at a line before the last (SIGPIPE), and the wait then never ends
+    until listing=$(run_stashed prepare.sh 2> /dev/null)
+          grep -q "^$model: \([0-9]\+\) of \1 parts$" <<< "$listing"; do
       [ "$waited" -ge "${SETUP_WAIT_S:-900}" ] && break
       sleep 2; waited=$((waited + 2))
     done

@@ -120,7 +120,8 @@ def test_report_records_the_chunk_size_of_a_chunked_run(tmp_path, monkeypatch):
 
 def test_report_writes_serve_json_alone_with_the_sittings_versions(tmp_path):
     """A sitting whose bench stage did not run still reports its serving results:
-    versions from another raw file of that sitting, no ttft.json written."""
+    versions from another raw file of that sitting, no ttft.json written; the out-dir
+    (a new run-REV folder) is made."""
     from types import SimpleNamespace
 
     import bench_pcp
@@ -134,16 +135,16 @@ def test_report_writes_serve_json_alone_with_the_sittings_versions(tmp_path):
     versions.write_text(json.dumps({"versions": {"gpu": "2 x H200", "vllm": "0.26.0"},
                                     "runs": []}))
     args = SimpleNamespace(raw=None, versions_from=str(versions), git_rev="abc",
-                           command="c", date="2026-11-30", out_dir=str(tmp_path),
+                           command="c", date="2026-11-30", out_dir=str(tmp_path / "run-abc"),
                            serve_dir=str(serve), serve_command="s", serve_note="n",
                            gsm8k_dir=None)
     bench_pcp.report(args)
-    out = json.load(open(tmp_path / "serve.json"))
+    out = json.load(open(tmp_path / "run-abc" / "serve.json"))
     assert out["meta"] == {"git_rev": "abc", "command": "s", "gpu": "2 x H200",
                            "vllm": "0.26.0", "date": "2026-11-30", "note": "n"}
     assert [(r["config"], r["max_concurrency"], r["p50_ttft_ms"]) for r in out["rows"]] == [
         ("pcp2", 4, 537.0), ("pcp2-dcp2", 16, 1534.3)]
-    assert not (tmp_path / "ttft.json").exists()
+    assert not (tmp_path / "run-abc" / "ttft.json").exists()
     with pytest.raises(SystemExit, match="--versions-from"):
         bench_pcp.report(SimpleNamespace(**{**vars(args), "versions_from": None}))
 

@@ -80,6 +80,7 @@ cp .gpu/models/parts/* "$stage/" 2>/dev/null || true
 for want in "$stage"/*.want; do
   [ -e "$want" ] || break; name=$(basename "$want" .want)
   echo "$name: $(ls "$stage" | grep -c "^$name.part") of $(cat "$want") parts"
+  sleep 0.1  # the real one reads and counts for a while between models
 done
 [ "${1:-}" = --build ] || exit 0
 [ "$(ls "$stage" | grep -c "^$2.part")" = "$(cat "$stage/$2.want")" ]
@@ -166,3 +167,19 @@ def test_start_goes_on_when_setup_fails(tmp_path):
     assert "setup install rc=1 bundle incomplete" in progress
     assert "setup model m1 rc=" in progress and "setup model m1 rc=0" not in progress
     assert progress.index("setup done") < progress.index("start a")
+
+
+def test_setup_builds_a_model_that_is_not_the_last_one_listed(tmp_path):
+    """The wait for a model reads the whole listing: with `prepare.sh | grep -q`, grep
+    left at a1's line, prepare.sh died of SIGPIPE writing b2's, and the wait never ended."""
+    proj, stash, env, sitting = _host_project(tmp_path, SETUP_WAIT_S="60")
+    _carry(proj, {".gpu/install.sh": FAKE_INSTALL, ".gpu/parts/part00": "p0",
+                  ".gpu/parts/part01": "p1", ".gpu/models/prepare.sh": FAKE_PREPARE,
+                  ".gpu/models/parts/a1.want": "1", ".gpu/models/parts/a1.part00": "m",
+                  ".gpu/models/parts/b2.want": "2"})
+    out = subprocess.run(sitting + ["stash"], cwd=proj, env=env, check=True,
+                         capture_output=True, text=True, timeout=30).stdout
+    assert out.index("a1: 1 of 1 parts") < out.index("b2: 0 of 2 parts")
+    subprocess.run(sitting + ["setup", "a1"], cwd=proj, env=env, check=True, timeout=30)
+    assert "setup model a1 rc=0" in (tmp_path / "checks" / "progress.log").read_text()
+    assert (stash / "models" / "a1" / "built").exists()
