@@ -263,10 +263,8 @@ def print_tables(args) -> None:
         print(serve_table([load(p) for p in args.serve]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def _add_bench_parsers(sub) -> None:
+    """run, measure (one engine, in its own process) and model."""
     r = sub.add_parser("run")
     r.add_argument("--configs", default="pcp1-stock,pcp1,pcp2,tp2")
     r.add_argument("--prompt-lens", default=DEFAULT_PROMPT_LENS)
@@ -310,6 +308,10 @@ def main() -> None:
     m.add_argument("--out", required=True)
     b = sub.add_parser("model", help="write the bench model's folder (for vllm serve)")
     b.add_argument("--out-dir", default="/tmp/bench-models/qwen2.5-3b-shape")
+
+
+def _add_report_parsers(sub) -> None:
+    """report (result files from raw runs) and table (the README's tables)."""
     p = sub.add_parser("report")
     p.add_argument("--raw", nargs="+", help="bench_pcp.py run results (ttft/itl)")
     p.add_argument("--versions-from", help="without --raw: a raw file of the same sitting")
@@ -326,6 +328,14 @@ def main() -> None:
     t.add_argument("--ttft", help="ttft.json or ttft-chunked.json")
     t.add_argument("--itl", help="itl.json: its columns join the --ttft table")
     t.add_argument("--serve", nargs="+", help="serve.json files: one serving table")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_bench_parsers(sub)
+    _add_report_parsers(sub)
     args = ap.parse_args()
     if args.cmd == "table":
         print_tables(args)

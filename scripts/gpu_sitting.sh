@@ -6,6 +6,7 @@
 #   setsid nohup bash scripts/gpu_sitting.sh setup MODEL... > /dev/null 2>&1 < /dev/null &
 #   setsid nohup bash scripts/gpu_sitting.sh start > /tmp/sitting.log 2>&1 < /dev/null &
 #   bash scripts/gpu_sitting.sh snapshot OUT_DIR     # later calls: progress + files so far
+#   bash scripts/gpu_sitting.sh watch OUT_DIR [SECS] # or: a snapshot every WATCH_EVERY_S
 #   bash scripts/gpu_sitting.sh jit OUT_DIR          # FlashInfer's compiled kernels, in parts
 #   bash scripts/gpu_sitting.sh restore-jit DIR      # next host: unpack them before the start
 #
@@ -24,6 +25,11 @@
 # into OUT_DIR/snapshot.tgz and prints the progress log. STAGES overrides the order
 # (default "kernels bench exact-dcp+serve"; "a+b" runs a and b at once). `start` first logs
 # the variables that chose the sitting's stages and configurations.
+#
+# `watch` keeps OUT_DIR/snapshot.tgz fresh (each one replaces the last whole, so a call cut at
+# its time limit still returns the newest) until the sitting's last line `done` or SECS (540)
+# have passed; on a host without a sitting (a fresh one: the last was given back) it says so
+# and ends at once (rc 3) instead of waiting out the call.
 #
 # A fresh host spends about 4 minutes compiling FlashInfer's kernels; `jit` packs the ones
 # this host compiled (~/.cache/flashinfer) into OUT_DIR/jit/part-NN of 15 MiB (the device
@@ -88,6 +94,25 @@ setup() {  # MODEL...: install, then each model once its parts are in
   done
 }
 
+snapshot_to() {  # DIR: the work files so far, replacing DIR/snapshot.tgz whole
+  mkdir -p "$1"
+  tar czf "$1/snapshot.part" --exclude='*.pt.trace.json*' --exclude=tgz \
+    -C "$(dirname "$root")" "$(basename "$root")" && mv "$1/snapshot.part" "$1/snapshot.tgz"
+}
+
+watch() {  # OUT_DIR [SECS]
+  local end=$((SECONDS + ${2:-540})) every=${WATCH_EVERY_S:-30}
+  while :; do
+    grep -q . "$progress" 2>/dev/null ||
+      { echo "watch: no sitting on this host (empty $progress): a fresh host?"; return 3; }
+    snapshot_to "$1"
+    grep -q "^[0-9:]* done$" "$progress" && break  # the sitting's end, not "setup done"
+    [ "$SECONDS" -ge "$end" ] && break
+    sleep "$(( end - SECONDS < every ? end - SECONDS : every ))"
+  done
+  cat "$progress"
+}
+
 case "${1:-}" in
   stash)
     run_stashed install.sh > /dev/null 2>&1
@@ -109,16 +134,15 @@ case "${1:-}" in
     done
     log done ;;
   snapshot)
-    mkdir -p "$2"
-    tar czf "$2/snapshot.tgz" --exclude='*.pt.trace.json*' --exclude=tgz \
-      -C "$(dirname "$root")" "$(basename "$root")"
-    cat "$progress" ;;
+    snapshot_to "$2"; cat "$progress" ;;
+  watch)
+    shift; watch "$@" ;;
   jit)
     mkdir -p "$2/jit"
     tar czf - -C "$HOME/.cache" flashinfer | split -b 15M -d - "$2/jit/part-"
     du -sh "$HOME/.cache/flashinfer" "$2/jit" ;;
   restore-jit)
     restore_jit "$2" ;;
-  *) echo "usage: $0 stash | setup MODEL... | start | snapshot OUT_DIR | jit OUT_DIR |" \
-          "restore-jit DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 stash | setup MODEL... | start | snapshot OUT_DIR |" \
+          "watch OUT_DIR [SECS] | jit OUT_DIR | restore-jit DIR" >&2; exit 2 ;;
 esac

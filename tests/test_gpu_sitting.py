@@ -183,3 +183,37 @@ def test_setup_builds_a_model_that_is_not_the_last_one_listed(tmp_path):
     subprocess.run(sitting + ["setup", "a1"], cwd=proj, env=env, check=True, timeout=30)
     assert "setup model a1 rc=0" in (tmp_path / "checks" / "progress.log").read_text()
     assert (stash / "models" / "a1" / "built").exists()
+
+
+def test_watch_snapshots_until_the_sitting_is_done_not_the_setup(tmp_path):
+    env = {**_sitting(tmp_path), "STAGES": "a b", "WATCH_EVERY_S": "1"}
+    checks = tmp_path / "checks"
+    checks.mkdir()
+    (checks / "progress.log").write_text("10:00:00 setup start\n10:00:01 setup done\n")
+    script, out = str(tmp_path / "gpu_sitting.sh"), tmp_path / "out"
+    start = subprocess.Popen(["bash", script, "start"], env=env)
+    res = subprocess.run(["bash", script, "watch", str(out), "60"], env=env, timeout=30,
+                         capture_output=True, text=True)
+    assert start.wait(timeout=30) == 0
+    assert res.returncode == 0 and res.stdout.rstrip().endswith(" done")
+    names = tarfile.open(out / "snapshot.tgz").getnames()
+    assert "checks/b/b.json" in names  # taken after the last stage, not at "setup done"
+    assert os.listdir(out) == ["snapshot.tgz"]
+
+
+def test_watch_ends_at_its_time_and_at_once_on_a_fresh_host(tmp_path):
+    env = {**_sitting(tmp_path), "WATCH_EVERY_S": "1"}
+    script, out = str(tmp_path / "gpu_sitting.sh"), tmp_path / "out"
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", script, "watch", str(out), "60"], env=env, timeout=30,
+                         capture_output=True, text=True)
+    assert res.returncode == 3 and "fresh host" in res.stdout
+    assert time.monotonic() - t0 < 5 and not (out / "snapshot.tgz").exists()
+
+    (tmp_path / "checks" / "progress.log").write_text("10:00:02 start a\n")  # never ends
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", script, "watch", str(out), "2"], env=env, timeout=30,
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and "start a" in res.stdout
+    assert 2 <= time.monotonic() - t0 < 10
+    assert "checks/progress.log" in tarfile.open(out / "snapshot.tgz").getnames()
