@@ -7,9 +7,10 @@ twice, as a host span (``user_annotation``) and as the GPU span from its first t
 kernel (``gpu_user_annotation``). For each step and trace file this writes the host span,
 the GPU span, the GPU time covered by kernels (their union), NCCL kernels, FlashInfer
 kernels, and the GPU span left idle. NCCL time well above the peer rank's for the same
-step is waiting for that rank, not moving bytes. With ``--python-out`` (traces recorded with
-Python stacks, ``bench_pcp.py run --profile-stack``) it also writes where the attention
-layer's host time goes, per Python function. The traces are too big to bring back from the
+step is waiting for that rank, not moving bytes. It prints how many steps of each trace are
+mixed (prefills beside decodes: what ``--profile-mixed`` is after). With ``--python-out``
+(traces recorded with Python stacks, ``bench_pcp.py run --profile-stack``) it also writes
+where the attention layer's host time goes, per Python function. The traces are too big to bring back from the
 GPU host; these summaries are small.
 """
 from __future__ import annotations
@@ -18,8 +19,16 @@ import argparse
 import gzip
 import json
 import os
+import re
 
 STEP_PREFIX = "execute_context_"
+_STEP_COUNTS = re.compile(r"execute_context_(\d+)\(\d+\)_generation_(\d+)\(\d+\)")
+
+
+def is_mixed(step: str) -> bool:
+    """Whether a step annotation holds both prefill (context) and decode requests."""
+    m = _STEP_COUNTS.match(step)
+    return bool(m) and int(m.group(1)) > 0 and int(m.group(2)) > 0
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
@@ -134,8 +143,8 @@ def main() -> None:
     if args.python_out:
         with open(args.python_out, "w") as f:
             json.dump(python, f, indent=1)
-    for name, rows in result.items():
-        print(name)
+    for name, rows in result.items():  # a mixed profile (--profile-mixed) wants mixed > 0
+        print(f"{name}: {sum(is_mixed(r['step']) for r in rows)} mixed of {len(rows)} steps")
         for r in rows:
             print(f"  {r['step'][:48]:48s} gpu {r['gpu_span_ms']:8.2f}  nccl {r['nccl_ms']:7.2f}"
                   f"  idle {r['idle_ms']:7.2f}")

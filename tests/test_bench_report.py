@@ -208,7 +208,7 @@ def test_readme_performance_tables_are_the_ones_the_result_files_give():
         readme = f.read()
     assert bench_report.timing_table(load("ttft.json")) in readme
     assert bench_report.timing_table(load("ttft-chunked.json"), load("itl.json")) in readme
-    assert bench_report.serve_table([load("serve.json"), load("serve-tp2.json")]) in readme
+    assert bench_report.serve_table([load("serve.json")]) in readme
 
 
 def test_run_keeps_each_engines_log_beside_the_raw_file(tmp_path, monkeypatch):

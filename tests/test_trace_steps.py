@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-from trace_steps import summarize_steps  # noqa: E402
+from trace_steps import is_mixed, summarize_steps  # noqa: E402
 
 
 def _x(cat, name, ts, dur):
@@ -42,10 +42,18 @@ def test_cli_reads_gzipped_traces(tmp_path):
         json.dump({"traceEvents": EVENTS}, f)
     out = tmp_path / "steps.json"
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "trace_steps.py")
-    subprocess.run([sys.executable, script, str(trace), "--out", str(out)], check=True,
-                   capture_output=True)
+    done = subprocess.run([sys.executable, script, str(trace), "--out", str(out)],
+                          check=True, capture_output=True, text=True)
     rows = json.load(open(out))["rank0.pt.trace.json.gz"]
     assert [r["gpu_span_ms"] for r in rows] == [0.1, 0.01]
+    assert done.stdout.splitlines()[0] == "rank0.pt.trace.json.gz: 0 mixed of 2 steps"
+
+
+def test_a_step_is_mixed_when_it_has_both_prefills_and_decodes():
+    assert is_mixed("execute_context_1(8185)_generation_7(7)")
+    assert not is_mixed(STEP)
+    assert not is_mixed("execute_context_0(0)_generation_8(8)")
+    assert not is_mixed("execute_context_1(8192)")  # another vLLM's annotation: not counted
 
 
 def test_cli_summarises_each_trace_with_python_self_time(tmp_path):
