@@ -22,7 +22,7 @@ import os
 import re
 
 STEP_PREFIX = "execute_context_"
-_STEP_COUNTS = re.compile(r"execute_context_(\d+)\(\d+\)_generation_(\d+)\(\d+\)")
+_STEP_COUNTS = re.compile(re.escape(STEP_PREFIX) + r"(\d+)\(\d+\)_generation_(\d+)\(\d+\)")
 
 
 def is_mixed(step: str) -> bool:

@@ -16,11 +16,14 @@ echo "end $1" >> "$GPU_CHECKS_DIR/order"
 """
 
 
-def _sitting(tmp_path):
-    shutil.copy(os.path.join(SCRIPTS, "gpu_sitting.sh"), tmp_path / "gpu_sitting.sh")
-    (tmp_path / "run_gpu_checks.sh").write_text(STUB)
-    env = {**os.environ, "GPU_CHECKS_DIR": str(tmp_path / "checks")}
-    return env
+def _sitting(tmp_path, scripts=None):
+    """gpu_sitting.sh beside a stand-in run_gpu_checks.sh in ``scripts`` (default tmp_path);
+    returns the environment, with the work files in tmp_path/checks."""
+    scripts = scripts or tmp_path
+    scripts.mkdir(parents=True, exist_ok=True)
+    shutil.copy(os.path.join(SCRIPTS, "gpu_sitting.sh"), scripts / "gpu_sitting.sh")
+    (scripts / "run_gpu_checks.sh").write_text(STUB)
+    return {**os.environ, "GPU_CHECKS_DIR": str(tmp_path / "checks")}
 
 
 def test_stages_run_in_order_and_plus_joined_ones_at_once(tmp_path):
@@ -109,10 +112,7 @@ def _jit_part(tmp_path):
 def _host_project(tmp_path, **env):
     """A project folder on a stand-in host: (folder, stash, env, the sitting command)."""
     proj, stash = tmp_path / "proj", tmp_path / "stash"
-    (proj / "scripts").mkdir(parents=True)
-    shutil.copy(os.path.join(SCRIPTS, "gpu_sitting.sh"), proj / "scripts" / "gpu_sitting.sh")
-    (proj / "scripts" / "run_gpu_checks.sh").write_text(STUB)
-    env = {**os.environ, "GPU_CHECKS_DIR": str(tmp_path / "checks"), "STASH": str(stash),
+    env = {**_sitting(tmp_path, proj / "scripts"), "STASH": str(stash),
            "HOME": str(tmp_path / "home"), "STAGES": "a", **env}
     return proj, stash, env, ["bash", "scripts/gpu_sitting.sh"]
 

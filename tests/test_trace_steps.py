@@ -8,6 +8,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from trace_steps import is_mixed, summarize_steps  # noqa: E402
 
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "trace_steps.py")
+
 
 def _x(cat, name, ts, dur):
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
@@ -41,8 +43,7 @@ def test_cli_reads_gzipped_traces(tmp_path):
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": EVENTS}, f)
     out = tmp_path / "steps.json"
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "trace_steps.py")
-    done = subprocess.run([sys.executable, script, str(trace), "--out", str(out)],
+    done = subprocess.run([sys.executable, SCRIPT, str(trace), "--out", str(out)],
                           check=True, capture_output=True, text=True)
     rows = json.load(open(out))["rank0.pt.trace.json.gz"]
     assert [r["gpu_span_ms"] for r in rows] == [0.1, 0.01]
@@ -65,8 +66,7 @@ def test_cli_summarises_each_trace_with_python_self_time(tmp_path):
     for rank, extra in ((0, []), (1, host)):
         traces.append(tmp_path / f"rank{rank}.pt.trace.json")
         traces[-1].write_text(json.dumps({"traceEvents": EVENTS + extra}))
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "trace_steps.py")
-    subprocess.run([sys.executable, script, *map(str, traces), "--out",
+    subprocess.run([sys.executable, SCRIPT, *map(str, traces), "--out",
                     str(tmp_path / "steps.json"), "--python-out", str(tmp_path / "py.json")],
                    check=True, capture_output=True)
     steps = json.load(open(tmp_path / "steps.json"))
