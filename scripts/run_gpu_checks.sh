@@ -6,7 +6,9 @@
 #   scripts/run_gpu_checks.sh STAGE OUT_DIR
 #
 # Stages, in the order worth running them:
-#   kernels    pytest tests/gpu (FlashInfer kernels as driven here vs the reference)
+#   kernels    pytest tests/gpu (FlashInfer kernels as driven here vs the reference);
+#              OUT_DIR/kernels.json: pass counts by test, outcomes, git revision (GIT_REV,
+#              else git's HEAD), GPU, versions, date (tests/gpu/results/kernels.json)
 #   exact-pcp  PCP=2 vs PCP=1 on the random models and SmolLM2 (/tmp/models/smollm2-135m),
 #              chunked prefill on and off, plus CUDA graphs and Ray; engines side by side
 #              in lanes, each on a fixed 2 GiB KV pool (no memory profiling to disturb)
@@ -71,8 +73,46 @@ pack() {  # profiler traces stay behind (too big to return); their tables travel
 }
 trap pack EXIT
 case "$stage" in
-  kernels)
-    python3 -m pytest -q "$here/../tests/gpu" 2>&1 | tee "$work/kernels.log" ;;
+  kernels)  # OUT_DIR/kernels.json (tests/gpu/results/kernels.json): counts, outcomes, meta
+    python3 -m pytest -q "$here/../tests/gpu" --junitxml="$work/kernels.xml" 2>&1 \
+      | tee "$work/kernels.log"
+    rc=${PIPESTATUS[0]}
+    python3 - "$work" "$here" <<'EOF'
+import datetime, json, os, re, subprocess, sys
+import xml.etree.ElementTree as ET
+work, here = sys.argv[1:]
+sys.path.insert(0, here)
+from gpu_runs import versions
+try:
+    meta = versions()
+except Exception as exc:  # no GPU: recorded, not fatal
+    meta = {"gpu": f"unavailable: {exc}"}
+rev = os.environ.get("GIT_REV") or subprocess.run(
+    ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+outcomes = {}
+for case in ET.parse(os.path.join(work, "kernels.xml")).iter("testcase"):
+    test = case.get("classname").replace(".", "/") + ".py::" + case.get("name")
+    tags = {child.tag for child in case}
+    outcomes[test] = next((outcome for tag, outcome in (("failure", "failed"), ("error", "error"),
+                                                        ("skipped", "skipped")) if tag in tags),
+                          "passed")
+counts = {}
+for test, outcome in outcomes.items():
+    by_outcome = counts.setdefault(test.split("[")[0], {})
+    by_outcome[outcome] = by_outcome.get(outcome, 0) + 1
+lines = open(os.path.join(work, "kernels.log")).read().splitlines()
+summary = [line for line in lines if re.search(r"\d+ \w+.* in [\d.]+s", line)]
+result = {"meta": {"git_rev": rev or "unknown",
+                   "command": "scripts/run_gpu_checks.sh kernels (python3 -m pytest -q tests/gpu)",
+                   **meta, "date": datetime.date.today().isoformat()},
+          "pytest_summary": summary[-1].strip("= ") if summary else None,
+          "counts": counts,
+          "failed": [t for t, o in outcomes.items() if o in ("failed", "error")],
+          "tests": [t for t, o in outcomes.items() if o == "passed"]}
+json.dump(result, open(os.path.join(work, "kernels.json"), "w"), indent=1)
+EOF
+    cp "$work/kernels.json" "$out/kernels.json"
+    exit "$rc" ;;
   exact-pcp)
     ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
     lanes --lanes 3 --models "$models" --variants unchunked,chunked --configs pcp1,pcp2 \

@@ -16,10 +16,32 @@ from vllm_pcp.dcp_attention import DCPAttention
 from vllm_pcp.dcp_plan import build_dcp_plan
 from vllm_pcp.exchange import gather_kv, restore_hidden_states
 from vllm_pcp.kv_shard import dcp_local_offset, dcp_local_seq_len, dcp_owner
+from vllm_pcp.partition import build_pcp_metadata_all_ranks
 from vllm_pcp.reference import causal_attention
 
 COMPUTED = [0, 37, 0, 5, 0, 60, 21, 300]
 SCHEDULED = [2, 90, 1, 200, 13, 1, 3, 64]
+
+# (computed, scheduled) of steps whose split requests are too short for every rank of
+# N to get a token (fewer tokens than the 2N chunks), by N: the last 2 tokens of a
+# long prompt alone, three 2-token chunks, and 2 to 5 token chunks.
+ZERO_TOKEN_STEPS = {3: [([1000], [2]), ([40, 0, 17], [2, 2, 2])],
+                    4: [([1000], [2]), ([40, 0, 17], [2, 2, 2]), ([0, 33], [2, 3])],
+                    8: [([1000], [2]), ([0, 33], [2, 3]), ([5, 64], [3, 5])]}
+
+
+def short_split_step(world):
+    """A step where every rank of N = ``world`` has tokens, some a single one: a
+    2-token fresh chunk, a ``2N - 1``-token chunk over context (its first of 2N chunks
+    empty), a decode and a long chunk. ``(computed, scheduled)``."""
+    return [0, 300, 12, 9], [2, 2 * world - 1, 1, 517]
+
+
+def ranks_without_tokens(computed, scheduled, world, min_split=2):
+    """Ranks of N = ``world`` that get no local token of the step."""
+    counts = build_pcp_metadata_all_ranks(computed, scheduled, world,
+                                          min_split_tokens=min_split)[0].num_tokens_per_rank
+    return [rank for rank, count in enumerate(counts) if count == 0]
 
 
 def make_batch(hq: int, hkv: int, dim: int, seed: int = 0, computed=COMPUTED,
@@ -72,7 +94,8 @@ def _capture_like_vllm(attn, world, rank, interleave, graph_rows, table):
 
 def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
                  page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD",
-                 graph_rows=None, heads_gathered=False, context_exchange="queries"):
+                 graph_rows=None, heads_gathered=False, context_exchange="queries",
+                 context_written_in_step=None):
     """Each rank's restored output (in the attention's output dtype) and the float32
     reference computed from the same ``dtype``-rounded inputs.
 
@@ -84,7 +107,9 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
     ``[r * hq / N, (r + 1) * hq / N)`` of every token and the same K/V heads; nothing
     is split (``min_split`` is ignored); each rank's output is its own heads, step order.
 
-    ``context_exchange``: how split rows reach their context (``build_dcp_plan``)."""
+    ``context_exchange``: how split rows reach their context (``build_dcp_plan``);
+    ``context_written_in_step`` (``[R]`` bool): requests whose split rows send their
+    queries whatever the knob, beside others that fetch their context."""
     full, q = make_batch(hq, hkv, dim, world * 100 + interleave, computed, scheduled)
     full = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in full]
     q = q.to(dtype).float()
@@ -97,7 +122,8 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
     def rank_fn(rank):
         plan = build_dcp_plan(computed, scheduled, world, rank, interleave,
                               min_split_tokens=sys.maxsize if heads_gathered else min_split,
-                              context_exchange=context_exchange, kv_to_q_heads=hkv / hq)
+                              context_exchange=context_exchange, kv_to_q_heads=hkv / hq,
+                              context_written_in_step=context_written_in_step)
         cache, table = _paged_shard(full, rank, world, interleave, page_size, device, dtype)
         if kv_layout == "HND":  # [pages, Hkv, page_size, D]
             cache = tuple(c.transpose(1, 2).contiguous() for c in cache)
@@ -125,7 +151,7 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
                                  plan.pcp.num_padded_tokens_per_rank,
                                  attn.local_context(cache), context_rows)
         out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_buf, v_buf, cache)
-        restored = restore_hidden_states(group.rank(rank), out.reshape(out.shape[0], -1),
+        restored = restore_hidden_states(group.rank(rank), out.reshape(out.shape[0], hq * dim),
                                          plan.pcp.num_padded_tokens_per_rank,
                                          plan.pcp.restore_indices.to(device))
         return restored.reshape(-1, hq, dim).cpu()

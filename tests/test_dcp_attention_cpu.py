@@ -4,7 +4,8 @@ the reference ones: every rank's output must equal one process's attention.
 Two fakes: ``reference_flashinfer`` keeps FlashInfer 0.6.14's dtype contract
 (16-bit attention outputs and merges: it builds no float32-output kernel), and
 ``float32_flashinfer`` lifts it, so that float32 inputs check the index logic
-to 1e-5."""
+to 1e-5. ``float32_flashinfer_planning_no_empty_batch`` also refuses to plan a
+batch of no rows, which a rank without local tokens (N >= 3) must not ask for."""
 import sys
 from types import SimpleNamespace
 
@@ -12,8 +13,10 @@ import pytest
 import torch
 import vllm.v1.attention.backends.flashinfer  # noqa: F401  (imported before the fakes)
 
-from dcp_harness import COMPUTED, SCHEDULED, run_dcp_step
+from dcp_harness import (COMPUTED, SCHEDULED, ZERO_TOKEN_STEPS, ranks_without_tokens,
+                         run_dcp_step, short_split_step)
 from vllm_pcp import reference
+from vllm_pcp.dcp_plan import build_dcp_plan
 
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -21,11 +24,16 @@ SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 class _Wrapper:
     """FlashInfer's contract as used here: ``out`` must have the planned
-    ``o_data_type`` (default: the query dtype); results are written into it."""
+    ``o_data_type`` (default: the query dtype); results are written into it.
+    ``plans_empty_batches`` False: ``plan`` refuses a batch of no rows."""
     dtypes = SIXTEEN_BIT
+    plans_empty_batches = True
 
     def __init__(self, workspace, layout, backend="auto"):
         assert layout == "NHD" and backend == "auto"
+
+    def _check_batch(self, qo_indptr):
+        assert self.plans_empty_batches or len(qo_indptr) > 1, "a plan of no rows"
 
     def _plan_common(self, q_data_type, o_data_type=None, **kw):
         self.o_dtype = o_data_type or q_data_type
@@ -42,6 +50,7 @@ class _Wrapper:
 
 class _Ragged(_Wrapper):
     def plan(self, qo_indptr, kv_indptr, hq, hkv, dim, causal=False, **kw):
+        self._check_batch(qo_indptr)
         self.qo, self.kv, self.causal = qo_indptr.cpu(), kv_indptr.cpu(), causal
         self._plan_common(**kw)
 
@@ -54,6 +63,7 @@ class _Ragged(_Wrapper):
 class _Paged(_Wrapper):
     def plan(self, qo_indptr, indptr, indices, last, hq, hkv, dim, page_size,
              causal=False, **kw):
+        self._check_batch(qo_indptr)
         self.qo, self.indptr, self.indices = qo_indptr.cpu(), indptr.cpu(), indices.cpu()
         self.last, self.causal = last.cpu(), causal
         self._plan_common(**kw)
@@ -131,10 +141,11 @@ def _merge_in_place(merge, dtypes):
     return run
 
 
-def _fake_flashinfer(dtypes):
-    ragged = type("Ragged", (_Ragged,), {"dtypes": dtypes})
-    paged = type("Paged", (_Paged,), {"dtypes": dtypes})
-    decode = type("Decode", (_Decode,), {"dtypes": dtypes})
+def _fake_flashinfer(dtypes, plans_empty_batches=True):
+    contract = {"dtypes": dtypes, "plans_empty_batches": plans_empty_batches}
+    ragged = type("Ragged", (_Ragged,), contract)
+    paged = type("Paged", (_Paged,), contract)
+    decode = type("Decode", (_Decode,), contract)
     return SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=ragged,
                            BatchPrefillWithPagedKVCacheWrapper=paged,
                            BatchDecodeWithPagedKVCacheWrapper=decode,
@@ -152,6 +163,15 @@ def reference_flashinfer(monkeypatch):
 def float32_flashinfer(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer",
                         _fake_flashinfer((*SIXTEEN_BIT, torch.float32)))
+
+
+@pytest.fixture
+def float32_flashinfer_planning_no_empty_batch(monkeypatch):
+    """``float32_flashinfer`` whose wrappers refuse to plan a batch of no rows: a
+    rank without local tokens must leave the kernels it has no rows for unplanned."""
+    monkeypatch.setitem(sys.modules, "flashinfer",
+                        _fake_flashinfer((*SIXTEEN_BIT, torch.float32),
+                                         plans_empty_batches=False))
 
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
@@ -340,3 +360,103 @@ def test_context_rows_ride_in_the_kv_exchange_from_both_cache_layouts(float32_fl
                                        full[req][1][stored])
             start += len(stored)
         assert start - padded == int(plan.ctx_gather.local_len.sum())
+
+
+ZERO_TOKEN_CASES = [(world, *step) for world, steps in ZERO_TOKEN_STEPS.items()
+                    for step in steps]
+
+
+def ranks_without_split_tokens(computed, scheduled, world, min_split=2):
+    """Ranks of N = ``world`` whose local tokens are the replicated ones alone."""
+    from vllm_pcp.partition import build_pcp_metadata_all_ranks, split_requests
+
+    split = split_requests(scheduled, min_split)
+    replicated = sum(n for n, is_split in zip(scheduled, split) if not is_split)
+    counts = build_pcp_metadata_all_ranks(computed, scheduled, world,
+                                          min_split_tokens=min_split)[0].num_tokens_per_rank
+    return [rank for rank, count in enumerate(counts) if count == replicated]
+
+
+@pytest.mark.parametrize("world,computed,scheduled", ZERO_TOKEN_CASES)
+@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize("context_exchange", ["queries", "keys"])
+def test_ranks_without_tokens_match_one_process(float32_flashinfer_planning_no_empty_batch,
+                                                world, computed, scheduled, interleave,
+                                                context_exchange):
+    """N >= 3, a split step of few tokens: the ranks without tokens plan no kernel for
+    rows they lack, still serve every collective (their shard's context, the other
+    ranks' split queries) and restore the same output as one process."""
+    assert ranks_without_tokens(computed, scheduled, world)
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.float32,
+                                computed=computed, scheduled=scheduled,
+                                context_exchange=context_exchange)
+    for out in outs:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("context_exchange", ["queries", "keys"])
+def test_ranks_with_only_replicated_rows_match_one_process(
+        float32_flashinfer_planning_no_empty_batch, world, context_exchange):
+    """The last 2 tokens of a long prompt beside a decode: the middle ranks hold the
+    decode's row only, no split row."""
+    computed, scheduled = [1000, 60], [2, 1]
+    assert ranks_without_split_tokens(computed, scheduled, world)
+    outs, expect = run_dcp_step(world, 8, 2, "cpu", torch.float32, computed=computed,
+                                scheduled=scheduled, context_exchange=context_exchange)
+    for out in outs:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world,interleave", [(3, 1), (3, 8), (8, 1), (8, 16)])
+@pytest.mark.parametrize("context_exchange", ["queries", "keys"])
+def test_short_split_chunks_at_three_and_eight_ranks(float32_flashinfer, world, interleave,
+                                                     context_exchange):
+    computed, scheduled = short_split_step(world)
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.float32,
+                                computed=computed, scheduled=scheduled,
+                                context_exchange=context_exchange)
+    for out in outs:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world,interleave,folded", [(3, 1, True), (3, 8, True),
+                                                     (8, 1, True), (8, 8, False)])
+def test_decode_steps_at_three_and_eight_ranks(float32_flashinfer, world, interleave, folded):
+    """Folded (every rank stores a token of every request) and replicated decodes."""
+    from vllm_pcp.dcp_plan import build_dcp_plan
+
+    computed, scheduled = FOLDED_DECODES[0]
+    plan = build_dcp_plan(computed, scheduled, world, 0, interleave)
+    assert (plan.decode is not None) == folded
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.float32,
+                                computed=computed, scheduled=scheduled)
+    for out in outs:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("context_exchange", ["queries", "keys"])
+def test_ranks_without_tokens_in_bf16(reference_flashinfer, context_exchange):
+    computed, scheduled = ZERO_TOKEN_STEPS[4][1]
+    assert ranks_without_tokens(computed, scheduled, 4)
+    outs, expect = run_dcp_step(4, 8, 2, "cpu", torch.bfloat16, computed=computed,
+                                scheduled=scheduled, context_exchange=context_exchange)
+    for out in outs:
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expect, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 8), (3, 16)])
+def test_fetched_and_queried_context_in_one_step(float32_flashinfer, world, interleave):
+    """Split requests reaching their context both ways in one step: one whose context
+    this step writes (queries), the others fetched with the new K/V (keys)."""
+    computed, scheduled = [300, 64, 0, 40], [96, 200, 50, 1]
+    written = [False, True, False, False]
+    plan = build_dcp_plan(computed, scheduled, world, 0, interleave, context_exchange="keys",
+                          context_written_in_step=written)
+    assert plan.ctx_gather.req.tolist() == [0] and set(plan.ctx_split.req.tolist()) == {1}
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.float32, hq=16, hkv=2,
+                                computed=computed, scheduled=scheduled,
+                                context_exchange="keys", context_written_in_step=written)
+    for out in outs:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)

@@ -53,7 +53,8 @@ def _make_runner(group, rank):
     r.dcp_group, r.dcp_heads_gathered = r.pcp_group, False
     r._pcp_plan = r._pcp_step = None
     r._dcp_eager = False
-    table = SimpleNamespace(get_device_tensor=lambda n: BLOCKS[:n])
+    table = SimpleNamespace(get_device_tensor=lambda n: BLOCKS[:n],
+                            get_numpy_array=lambda: BLOCKS.numpy(), block_size=16)
     r.input_batch = SimpleNamespace(num_reqs=len(SCHEDULED), block_table=[table],
                                     num_computed_tokens_cpu=np.array(COMPUTED, np.int32),
                                     num_prompt_tokens=np.array(PROMPTS, np.int32))

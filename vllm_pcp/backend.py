@@ -59,8 +59,26 @@ class PCPDCPMetadata:
     heads_gathered: bool = False  # DCP inside TP: query heads all-gathered, K/V of the layer
 
 
+@dataclass
+class PCPNoRowsMetadata:
+    """Attention metadata of a rank with no local rows in a split step (N >= 3 and a
+    split chunk shorter than 2N tokens). Its model input is pad rows only: attention
+    writes zeros, while the layer still joins the step's K/V exchange."""
+
+    pcp_exchange: PCPKVExchange
+    num_actual_tokens: int = 0
+
+
 class PCPFlashInferImpl(FlashInferImpl):
     supports_pcp = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        unplanned = _dcp_unplanned_settings(self) if self.dcp_world_size > 1 else []
+        if unplanned:
+            from vllm_pcp.config import dcp_layer_error
+
+            raise dcp_layer_error(unplanned, self.pcp_world_size, self.dcp_world_size)
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor,
                            value: torch.Tensor, kv_cache: torch.Tensor,
@@ -85,14 +103,19 @@ class PCPFlashInferImpl(FlashInferImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        if isinstance(attn_metadata, PCPNoRowsMetadata):
+            return output.fill_(0)
         if not isinstance(attn_metadata, PCPDCPMetadata):
             if self.dcp_world_size > 1:
                 # DCP on FlashInfer is the plugin's (vLLM's own is refused): every
                 # engine step and graph capture carries PCPDCPMetadata; anything else
                 # is a profiling or warm-up run. Like vLLM's profiling run: zeros.
                 return output.fill_(0)
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata,
-                                   output, output_scale, output_block_scale)
+            super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                            output, output_scale, output_block_scale)
+            if getattr(attn_metadata, "pcp_exchange", None) is not None:
+                _zero_pad_rows(output, attn_metadata.num_actual_tokens)
+            return output
         if output_scale is not None:
             raise NotImplementedError("PCP x DCP does not fuse output quantization")
         exchange, n = attn_metadata.pcp_exchange, attn_metadata.num_local_tokens
@@ -105,6 +128,8 @@ class PCPFlashInferImpl(FlashInferImpl):
             out = attn_metadata.attention.run(attn_metadata.group, query[:n], k_step, v_step,
                                               kv)
         output[:n].copy_(out)
+        if exchange is not None:
+            _zero_pad_rows(output, n)
         return output
 
 
@@ -159,6 +184,27 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             exchange.read_context = self._dcp_attention.local_context
         return PCPDCPMetadata(self._dcp_attention, group, exchange,
                               graph_rows or plan.num_local_tokens, _heads_gathered(self))
+
+
+def _zero_pad_rows(output: torch.Tensor, num_actual_tokens: int) -> None:
+    """Zero the pad rows of a split step's attention output (``model_input_indices``):
+    they stay finite through the rest of the model, MoE routing included."""
+    if output.shape[0] > num_actual_tokens:
+        output[num_actual_tokens:].zero_()
+
+
+def _dcp_unplanned_settings(impl: FlashInferImpl) -> list[str]:
+    """The layer's settings that vllm-pcp's DCP attention does not plan: a sliding
+    window (FlashInferImpl keeps ``(window - 1, 0)``, ``(-1, -1)`` for none), a logits
+    soft cap, attention sinks."""
+    out = []
+    if impl.sliding_window not in (None, (-1, -1)):
+        out.append(f"a sliding window of {impl.sliding_window[0] + 1} tokens")
+    if impl.logits_soft_cap:
+        out.append(f"logits_soft_cap {impl.logits_soft_cap}")
+    if impl.sinks is not None:
+        out.append("attention sinks")
+    return out
 
 
 def _heads_gathered(builder) -> bool:

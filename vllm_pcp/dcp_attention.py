@@ -101,9 +101,11 @@ class DCPAttention:
         self.ctx_slots = (None if plan.ctx_gather is None else
                           context_slots(plan.ctx_gather, block_table, self.page_size))
         self.local_index = to_dev(plan.pcp.local_token_indices)
-        self._new.plan(plan.pcp.query_start_loc, plan.new_kv_indptr, hq, hkv, dim,
-                       causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype,
-                       kv_data_type=self.dtype, o_data_type=self.dtype)
+        self.has_local_rows = plan.pcp.num_rows > 0  # N >= 3: a rank may get no tokens
+        if self.has_local_rows:
+            self._new.plan(plan.pcp.query_start_loc, plan.new_kv_indptr, hq, hkv, dim,
+                           causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype,
+                           kv_data_type=self.dtype, o_data_type=self.dtype)
         split_query = self._plan_paged(self._split, plan.ctx_split, block_table)
         self.split_query = to_dev(split_query)
         if split_query is not None:  # (owner rank, row in its block) of each query
@@ -217,9 +219,13 @@ class DCPAttention:
         step's tokens and K/V are not read."""
         if self.plan_.decode is not None:
             return self._run_decode(group, q_local, kv_cache)
-        out, lse = self._new.run(q_local, k_step.index_select(0, self.new_kv_index),
-                                 v_step.index_select(0, self.new_kv_index),
-                                 out=self._out_like(q_local), return_lse=True)
+        if not self.has_local_rows:  # still serves the other ranks' split context below
+            out = self._out_like(q_local)
+            lse = torch.empty(q_local.shape[:2], dtype=torch.float32, device=q_local.device)
+        else:
+            out, lse = self._new.run(q_local, k_step.index_select(0, self.new_kv_index),
+                                     v_step.index_select(0, self.new_kv_index),
+                                     out=self._out_like(q_local), return_lse=True)
 
         if len(self.plan_.ctx_split.query_index):  # the same row set on every rank
             self._add_split_context(group, q_local, kv_cache, out, lse)

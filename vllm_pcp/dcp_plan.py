@@ -24,7 +24,12 @@ row attends causally to ``context + new`` in the new-part call, with nothing to
 merge. That moves ``N * Pc`` K/V rows instead of ``N * P`` queries out and
 partial outputs back (``Pc``: the most context tokens any rank stores), the
 cheaper when the context is short next to the chunk or the model has few KV
-heads; ``"auto"`` picks by those sizes, the same on every rank.
+heads; ``"auto"`` picks by those sizes, the same on every rank. The context is
+read before the step's cache write, so a request whose context another request
+writes in the same step (a prefix hit on blocks vLLM cached at allocation,
+:mod:`vllm_pcp.dcp_prefix`) never fetches it: its split rows take the queries
+road, which reads the cache after the write, while the step's other split
+requests may still fetch theirs (``"auto"`` sizes only those).
 
 A pure decode step (one token per request, and every rank stores at least one
 token of every request) takes a shorter road. The cache write comes before
@@ -145,11 +150,25 @@ def _rows_of(meta: PrefillContextParallelMetadata, wanted: np.ndarray):
     return req[keep], qsl[:-1][keep], np.diff(qsl)[keep]
 
 
+def _queried_split_rows(metas: Sequence[PrefillContextParallelMetadata],
+                        queried: np.ndarray, local_kv: np.ndarray) -> AttentionRows:
+    """Split rows of every rank whose request is ``queried`` (``[R]`` bool): they
+    read the all-gathered query buffer ``[N * P]`` and attend this rank's shard
+    (``local_kv [R]`` tokens of each request)."""
+    padded = metas[0].num_padded_tokens_per_rank
+    parts = [_rows_of(meta, queried) for meta in metas]
+    s_req = np.concatenate([p[0] for p in parts])
+    s_start = np.concatenate([p[1] + q * padded for q, p in enumerate(parts)])
+    s_len = np.concatenate([p[2] for p in parts])
+    return _rows(s_start, s_len, s_req, local_kv[s_req])
+
+
 def _gather_context(computed: np.ndarray, wanted: np.ndarray, world_size: int, rank: int,
                     interleave: int, num_padded_queries: int, kv_to_q_heads: float,
                     context_exchange: str):
     """``(ContextGather, {request: gathered row of each context token})`` for the
-    ``wanted`` requests when their context K/V moves, else ``(None, {})``.
+    ``wanted`` requests (those that may fetch: split, their context written in
+    earlier steps) when their context K/V moves, else ``(None, {})``.
 
     ``"auto"`` moves K/V when ``Pc * kv_to_q_heads <= P`` (K and V rows against
     queries out and partial outputs back), sizes every rank computes alike.
@@ -265,12 +284,15 @@ def build_dcp_plan(
     prefill_lens: Sequence[int] | None = None,
     context_exchange: str = "queries",
     kv_to_q_heads: float = 1.0,
+    context_written_in_step: np.ndarray | None = None,
 ) -> DCPAttentionPlan:
     """Plan one step for ``rank`` of a group that is both the PCP and the DCP group.
 
     ``context_exchange``: how split rows reach their context, one of
     :data:`CONTEXT_EXCHANGES` (module docstring); ``kv_to_q_heads``: KV heads per
-    query head, for ``"auto"``.
+    query head, for ``"auto"``. ``context_written_in_step``: ``[R]`` bool, requests
+    whose context this step writes (:func:`vllm_pcp.dcp_prefix.context_written_in_step`);
+    their split rows reach it through the queries exchange, whatever the knob.
     """
     computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
     scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
@@ -292,22 +314,23 @@ def build_dcp_plan(
     local_kv = dcp_local_seq_len(torch.from_numpy(computed), rank, world_size,
                                  interleave).numpy()
     has_context = computed > 0
+    # context that this step writes is in the cache only after the write: not fetched
+    may_fetch = split & has_context
+    if context_written_in_step is not None:
+        may_fetch &= ~np.asarray(context_written_in_step, dtype=bool).reshape(-1)
 
     rows_req = mine.row_req_indices.numpy().astype(np.int64)
     new_lens = mine.seq_lens.numpy().astype(np.int64) - computed[rows_req]
-    gather, context_rows = _gather_context(computed, split & has_context, world_size, rank,
+    gather, context_rows = _gather_context(computed, may_fetch, world_size, rank,
                                            interleave, padded, kv_to_q_heads,
                                            context_exchange)
     new_index, new_indptr = _new_part(rows_req, token_start, new_lens, context_rows,
                                       int(scheduled.sum()))
 
-    # Split rows of every rank whose request has context and no fetched context:
-    # read from gathered Q.
-    queried = split & has_context & (gather is None)
-    parts = [_rows_of(meta, queried) for meta in metas]
-    s_req = np.concatenate([p[0] for p in parts])
-    s_start = np.concatenate([p[1] + q * padded for q, p in enumerate(parts)])
-    s_len = np.concatenate([p[2] for p in parts])
+    # every split request with context either fetched it or sends its queries
+    fetched = np.zeros_like(split)
+    if gather is not None:
+        fetched[gather.req.numpy()] = True
 
     # Replicated rows with context, ordered by request: the same order everywhere.
     r_req, r_start, r_len = _rows_of(mine, ~split & has_context)
@@ -316,7 +339,7 @@ def build_dcp_plan(
     return DCPAttentionPlan(
         pcp=mine, dcp_world_size=world_size, dcp_rank=rank, interleave=interleave,
         new_kv_token_index=new_index, new_kv_indptr=new_indptr,
-        ctx_split=_rows(s_start, s_len, s_req, local_kv[s_req]),
+        ctx_split=_queried_split_rows(metas, split & has_context & ~fetched, local_kv),
         ctx_replicated=_rows(r_start[order], r_len[order], r_req[order], local_kv[r_req[order]]),
         ctx_gather=gather,
         new_kv_gathered_index=gathered_kv_index(new_index, mine.restore_indices, padded,

@@ -31,6 +31,10 @@ computed from the scheduler output alone and hence equal on every rank::
     gathered buffer  [rank 0 tokens | pad][rank 1 tokens | pad] ...
     gathered_token_indices[j]  global token whose K/V sits in row j (-1: skip)
     restore_indices[t]         row of the gathered buffer holding token t
+
+Each rank runs the model on its ``P`` rows (``model_input_indices``: its local
+tokens, then pad rows), so a rank with no local tokens -- common at N >= 3 for a
+split chunk shorter than 2N tokens -- still takes part in every collective.
 """
 from __future__ import annotations
 
@@ -103,6 +107,20 @@ class PrefillContextParallelMetadata:
     def max_query_len(self) -> int:
         return int((self.query_start_loc[1:] - self.query_start_loc[:-1]).max().item()) \
             if self.num_rows else 0
+
+    @property
+    def model_input_indices(self) -> torch.Tensor:
+        """``[P]`` int64: the global tokens of this rank's model input, the ``L`` local
+        tokens then ``P - L`` pad rows (copies of global token 0).
+
+        Every rank's model input is ``P`` rows long, so collectives inside the model
+        (vLLM's MoE all-gather and reduce-scatter over the PCP group) line up, and no
+        rank runs a zero-token forward. Pad rows write no KV (their gathered rows are
+        -1), attend to nothing and are dropped by the restore.
+        """
+        pad = self.num_padded_tokens_per_rank - self.num_local_tokens
+        return torch.cat((self.local_token_indices,
+                          self.local_token_indices.new_zeros(pad)))
 
     @property
     def is_split(self) -> bool:

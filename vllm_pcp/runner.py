@@ -54,9 +54,10 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_pcp.backend import PCPFlashInferMetadataBuilder, PCPKVExchange
+from vllm_pcp.backend import PCPFlashInferMetadataBuilder, PCPKVExchange, PCPNoRowsMetadata
 from vllm_pcp.config import PCPKnobs, min_split_tokens
 from vllm_pcp.dcp_plan import DCPAttentionPlan, build_dcp_plan, min_folded_seq_len
+from vllm_pcp.dcp_prefix import context_written_in_step
 from vllm_pcp.exchange import (gathered_slot_mapping, restore_hidden_states,
                                with_context_rows)
 from vllm_pcp.partition import (PrefillContextParallelMetadata, build_pcp_metadata,
@@ -69,7 +70,7 @@ logger = init_logger("vllm.vllm_pcp.runner")
 class _PCPStep:
     """Device-side view of one split step, consumed by ``_model_forward``."""
 
-    local_token_indices: torch.Tensor  # [L] int64
+    model_input_indices: torch.Tensor  # [P] int64: local tokens, then pad rows
     restore_indices: torch.Tensor  # [T] int64
     num_padded_tokens_per_rank: int
     slot_mapping_by_layer: dict[str, torch.Tensor]  # gathered layout, [N * P]
@@ -122,7 +123,9 @@ class PCPModelRunner(GPUModelRunner):
         prefill_lens = np.maximum(self.input_batch.num_prompt_tokens[:num_reqs],
                                   computed + scheduled)
         if self.pcp_dcp:  # a sharded cache needs the plugin's attention every step
-            self._pcp_plan = self._plan_dcp_step(computed, scheduled, prefill_lens)
+            self._pcp_plan = self._plan_dcp_step(
+                computed, scheduled, prefill_lens,
+                self._context_written_in_step(computed, scheduled, prefill_lens))
             return result
         if not split_requests(scheduled, self.pcp_min_split_tokens, prefill_lens).any():
             self._pcp_plan = None  # nothing to split: decodes and short prompts only
@@ -134,9 +137,10 @@ class PCPModelRunner(GPUModelRunner):
         return result
 
     def _plan_dcp_step(self, num_computed_tokens, num_scheduled_tokens,
-                       prefill_lens=None) -> DCPAttentionPlan:
+                       prefill_lens=None, context_written_in_step=None) -> DCPAttentionPlan:
         """The step's plan over the DCP group; at PCP = 1 no prefill is split (every
-        rank runs every token, with its own query heads)."""
+        rank runs every token, with its own query heads). ``context_written_in_step``:
+        see :meth:`_context_written_in_step`."""
         return build_dcp_plan(
             num_computed_tokens, num_scheduled_tokens, self.dcp_group.world_size,
             self.dcp_group.rank_in_group, self.cp_kv_cache_interleave_size,
@@ -144,7 +148,29 @@ class PCPModelRunner(GPUModelRunner):
             self.pcp_min_split_tokens, prefill_lens=prefill_lens,
             context_exchange=self.pcp_dcp_context_exchange,
             kv_to_q_heads=self.model_config.get_num_kv_heads(self.parallel_config)
-            / self.num_query_heads)
+            / self.num_query_heads, context_written_in_step=context_written_in_step)
+
+    def _context_written_in_step(self, num_computed_tokens, num_scheduled_tokens,
+                                 prefill_lens):
+        """``[R]`` bool: split requests with context in a block that another request of
+        the step writes (a prefix hit on blocks vLLM cached when it allocated them), in
+        any KV cache group; read from the CPU block tables, the same on every rank.
+        None where no split chunk could fetch its context (``queries``; DCP inside
+        TP; no split request with context, e.g. decode steps)."""
+        if self.pcp_dcp_context_exchange == "queries" or self.dcp_heads_gathered:
+            return None
+        tested = split_requests(num_scheduled_tokens, self.pcp_min_split_tokens,
+                                prefill_lens) & (num_computed_tokens > 0)
+        if not tested.any():
+            return None
+        hit = np.zeros(len(num_computed_tokens), dtype=bool)
+        for gid in range(len(self.kv_cache_config.kv_cache_groups)):
+            table = self.input_batch.block_table[gid]
+            hit |= context_written_in_step(
+                num_computed_tokens, num_scheduled_tokens, table.get_numpy_array(),
+                table.block_size, self.dcp_group.world_size, self.cp_kv_cache_interleave_size,
+                tested)
+        return hit
 
     def _build_attention_metadata(self, *args, **kwargs):
         plan, self._pcp_plan = self._pcp_plan, None
@@ -188,7 +214,7 @@ class PCPModelRunner(GPUModelRunner):
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata
                     slot_by_layer[name] = slots_gathered
-        self._pcp_step = _PCPStep(pcp.local_token_indices.to(dev, non_blocking=True), restore,
+        self._pcp_step = _PCPStep(pcp.model_input_indices.to(dev, non_blocking=True), restore,
                                   pcp.num_padded_tokens_per_rank, slot_by_layer)
         return attn_metadata
 
@@ -236,13 +262,40 @@ class PCPModelRunner(GPUModelRunner):
 
     def _build_split_attention_metadata(self, plan: PrefillContextParallelMetadata,
                                         slot_mappings: dict[int, torch.Tensor]) -> dict:
-        """Per-layer metadata of the local rows, and the step's ``_PCPStep``."""
+        """Per-layer metadata of the local rows, and the step's ``_PCPStep``. A rank
+        with no local rows gets :class:`PCPNoRowsMetadata`: it plans no kernel but
+        takes part in the K/V exchange of every layer."""
+        dev = self.device
+        gathered = plan.gathered_token_indices.to(dev, non_blocking=True)
+        exchange = PCPKVExchange(self.pcp_group, plan.num_padded_tokens_per_rank)
+        slots_gathered = {gid: gathered_slot_mapping(slot_mappings[gid], gathered)
+                          for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups)}
+        if plan.num_rows == 0:
+            attn_metadata = self._no_rows_metadata(exchange)
+        else:
+            attn_metadata = self._local_rows_metadata(plan, slot_mappings, exchange)
+        slot_by_layer = {name: slots_gathered[gid]
+                         for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups)
+                         for attn_group in self.attn_groups[gid]
+                         for name in attn_group.layer_names}
+        self._pcp_step = _PCPStep(plan.model_input_indices.to(dev, non_blocking=True),
+                                  plan.restore_indices.to(dev, non_blocking=True),
+                                  plan.num_padded_tokens_per_rank, slot_by_layer)
+        return attn_metadata
+
+    def _no_rows_metadata(self, exchange: PCPKVExchange) -> dict:
+        return {name: PCPNoRowsMetadata(exchange)
+                for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups)
+                for attn_group in self.attn_groups[gid] for name in attn_group.layer_names}
+
+    def _local_rows_metadata(self, plan: PrefillContextParallelMetadata,
+                             slot_mappings: dict[int, torch.Tensor],
+                             exchange: PCPKVExchange) -> dict:
+        """The FlashInfer builder's metadata of this rank's local rows, per layer."""
         dev = self.device
         local = plan.local_token_indices.to(dev, non_blocking=True)
-        gathered = plan.gathered_token_indices.to(dev, non_blocking=True)
         row_req = plan.row_req_indices.to(dev, dtype=torch.int64, non_blocking=True)
         q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
-        exchange = PCPKVExchange(self.pcp_group, plan.num_padded_tokens_per_rank)
         base = dict(
             query_start_loc=plan.query_start_loc.to(dev, non_blocking=True),
             query_start_loc_cpu=plan.query_start_loc,
@@ -257,24 +310,19 @@ class PCPModelRunner(GPUModelRunner):
             causal=True,
             positions=self.positions.index_select(0, local),
         )
-        attn_metadata, slot_by_layer = {}, {}
+        attn_metadata = {}
         num_reqs = self.input_batch.num_reqs
         for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
             table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
-            slots = slot_mappings[gid]
             cm = CommonAttentionMetadata(
                 block_table_tensor=table.index_select(0, row_req),
-                slot_mapping=slots.index_select(0, local), **base)
+                slot_mapping=slot_mappings[gid].index_select(0, local), **base)
             cm.pcp_exchange = exchange
-            slots_gathered = gathered_slot_mapping(slots, gathered)
             for attn_group in self.attn_groups[gid]:
-                builder = self._pcp_builder(attn_group)
-                metadata = builder.build(common_prefix_len=0, common_attn_metadata=cm)
+                metadata = self._pcp_builder(attn_group).build(common_prefix_len=0,
+                                                               common_attn_metadata=cm)
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata
-                    slot_by_layer[name] = slots_gathered
-        self._pcp_step = _PCPStep(local, plan.restore_indices.to(dev, non_blocking=True),
-                                  plan.num_padded_tokens_per_rank, slot_by_layer)
         return attn_metadata
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
@@ -294,9 +342,9 @@ class PCPModelRunner(GPUModelRunner):
         ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
         ctx.batch_descriptor = None
         ctx.is_padding = None
-        local = step.local_token_indices
-        hidden = super()._model_forward(input_ids.index_select(0, local),
-                                        positions.index_select(-1, local),
+        rows = step.model_input_indices  # P on every rank
+        hidden = super()._model_forward(input_ids.index_select(0, rows),
+                                        positions.index_select(-1, rows),
                                         None, None, **model_kwargs)
         return restore_hidden_states(self.pcp_group, hidden, step.num_padded_tokens_per_rank,
                                      step.restore_indices, num_output_rows=input_ids.shape[0])

@@ -3,13 +3,20 @@
     python -m pytest -q tests/gpu            # on a CUDA machine with vLLM installed
 
 1. PCP (DCP = 1): local chunk rows over a paged cache holding the whole prefix,
-   ``causal=True`` (bottom-right) -- exact without a custom mask.
-2. PCP x DCP: DCPAttention over paged shards of 2 and 4 ranks (threads on one GPU).
+   ``causal=True`` (bottom-right) -- exact without a custom mask; N = 2, 3, 4, 8 ranks
+   as sequential plans on one GPU, ranks without tokens included.
+2. PCP x DCP: DCPAttention over paged shards of 2, 3, 4 and 8 ranks (threads on one
+   GPU), ranks without tokens included.
+
+head_dim 64 / 128 / 256 and 1 / 2 / 8 kv heads are spread over the N = 3, 4, 8 cases
+rather than crossed (FlashInfer compiles a kernel per head_dim on first use).
 """
 import math
 
 import pytest
 import torch
+
+from dcp_harness import ZERO_TOKEN_STEPS, short_split_step
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -181,3 +188,165 @@ def test_dcp_inside_tp_on_flashinfer(world, computed, scheduled, graph_rows):
                                 graph_rows=graph_rows, heads_gathered=True)
     out = torch.cat(outs, dim=1)[: len(expect)]
     torch.testing.assert_close(out.float(), expect, **TOL)
+
+
+HEAD_DIMS, KV_HEADS, INTERLEAVES = (64, 128, 256), (1, 2, 8), (1, 8, 16)
+
+
+def _query_heads(kv_heads):
+    """Query heads of the GQA model with ``kv_heads`` KV heads: 8 per KV head, at most 16."""
+    return min(8 * kv_heads, 16)
+
+
+def _spread_shapes(cases):
+    """Each case followed by ``(hq, hkv, dim, interleave, kv_layout)``: every 9
+    consecutive cases take every head_dim x kv heads pair once."""
+    return [(*case, _query_heads(KV_HEADS[i // 3 % 3]), KV_HEADS[i // 3 % 3],
+             HEAD_DIMS[i % 3], INTERLEAVES[i // 2 % 3], ("HND", "NHD")[i % 2])
+            for i, case in enumerate(cases)]
+
+
+def _paged_prefix_cache(full, page_size):
+    """Every request's whole K/V in one NHD paged cache on the GPU (bf16):
+    ``((k_cache, v_cache), page ids of each request)``."""
+    hkv, dim = full[0][0].shape[1:]
+    pages = [-(-len(k) // page_size) for k, _ in full]
+    k_flat, v_flat = (torch.zeros(sum(pages) * page_size, hkv, dim) for _ in range(2))
+    tables, first = [], 0
+    for (k, v), n in zip(full, pages):
+        start = first * page_size
+        k_flat[start:start + len(k)], v_flat[start:start + len(v)] = k, v
+        tables.append(torch.arange(first, first + n))
+        first += n
+    cache = tuple(x.view(-1, page_size, hkv, dim).cuda().bfloat16() for x in (k_flat, v_flat))
+    return cache, tables
+
+
+def _pcp_rank_attention(wrapper, meta, q_local, cache, tables, page_size):
+    """One PCP rank's local rows on FlashInfer's paged prefill, ``causal=True``, each
+    row over its request's first ``seq_lens`` tokens. A rank without rows plans
+    nothing and returns ``[0, Hq, D]``."""
+    if meta.num_rows == 0:
+        return q_local.new_empty(q_local.shape)
+    hq, dim = q_local.shape[1:]
+    seq_lens = meta.seq_lens.long()
+    n_pages = (seq_lens + page_size - 1) // page_size
+    indices = torch.cat([tables[req][:n] for req, n in
+                         zip(meta.row_req_indices.tolist(), n_pages.tolist())])
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), n_pages.cumsum(0)])
+    last = seq_lens - (n_pages - 1) * page_size
+    wrapper.plan(meta.query_start_loc.cuda(), indptr.int().cuda(), indices.int().cuda(),
+                 last.int().cuda(), hq, cache[0].shape[2], dim, page_size, causal=True,
+                 sm_scale=1 / math.sqrt(dim), q_data_type=torch.bfloat16,
+                 kv_data_type=torch.bfloat16)
+    return wrapper.run(q_local, cache)
+
+
+# N, head_dim, kv heads: every N with every head_dim and every kv head count once
+PCP_KERNEL_CASES = [(world, dim, KV_HEADS[(i + j) % 3]) for i, world in enumerate((2, 3, 4, 8))
+                    for j, dim in enumerate(HEAD_DIMS)]
+
+
+@pytest.mark.parametrize("world,dim,hkv", PCP_KERNEL_CASES)
+def test_pcp_ranks_as_sequential_plans_on_one_gpu(world, dim, hkv):
+    """-pcp N at DCP = 1, the N ranks planned one after the other on one wrapper: a
+    step of 2-token chunks (ranks 1 .. N-2 get no token at N >= 3: they plan nothing
+    and return no rows) and ``short_split_step`` (a 2N-1 token chunk, a decode).
+    Each rank's rows, placed by its local tokens, and their union over the ranks
+    equal one GPU's attention for every token of the step."""
+    import flashinfer
+
+    from dcp_harness import expected_output, make_batch, ranks_without_tokens
+    from vllm_pcp.partition import build_pcp_metadata_all_ranks
+
+    hq, page_size = _query_heads(hkv), 16
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
+    zero_token_step = ([1000, 0, 45], [2, 2, 2])
+    assert bool(ranks_without_tokens(*zero_token_step, world)) == (world >= 3)
+    for computed, scheduled in (zero_token_step, short_split_step(world)):
+        full, q = make_batch(hq, hkv, dim, world * 1000 + dim, computed, scheduled)
+        full = [(k.bfloat16().float(), v.bfloat16().float()) for k, v in full]
+        q = q.bfloat16().float()
+        cache, tables = _paged_prefix_cache(full, page_size)
+        expect = expected_output(full, q, computed, scheduled)
+        union = torch.full_like(expect, float("nan"))
+        for meta in build_pcp_metadata_all_ranks(computed, scheduled, world):
+            local = meta.local_token_indices
+            out = _pcp_rank_attention(wrapper, meta, q[local].cuda().bfloat16(), cache,
+                                      tables, page_size).float().cpu()
+            assert out.shape == (meta.num_local_tokens, hq, dim)
+            torch.testing.assert_close(out, expect[local], **TOL)
+            union[local] = out
+        torch.testing.assert_close(union, expect, **TOL)
+
+
+# (N, computed, scheduled, hq, hkv, dim, interleave, kv_layout): the steps that leave
+# ranks without tokens at N = 3, 4, 8, then at N = 3 and 8 one where every rank has
+# tokens, some a single one, beside a decode
+DCP_SHORT_STEPS = _spread_shapes(
+    [(world, *step) for world in (3, 4, 8) for step in ZERO_TOKEN_STEPS[world]]
+    + [(world, *short_split_step(world)) for world in (3, 8)])
+
+
+@pytest.mark.parametrize("world,computed,scheduled,hq,hkv,dim,interleave,kv_layout",
+                         DCP_SHORT_STEPS)
+@pytest.mark.parametrize("context_exchange", ["queries", "keys"])
+def test_dcp_short_split_steps_on_flashinfer(world, computed, scheduled, hq, hkv, dim,
+                                             interleave, kv_layout, context_exchange):
+    """-pcp N -dcp N, a split step shorter than the 2N chunks: ranks without tokens
+    plan no new-part kernel, still serve every collective, and every rank restores
+    one GPU's attention."""
+    from dcp_harness import ranks_without_tokens, run_dcp_step
+
+    if (computed, scheduled) in ZERO_TOKEN_STEPS[world]:
+        assert ranks_without_tokens(computed, scheduled, world)
+    outs, expect = run_dcp_step(world, interleave, 2, "cuda", torch.bfloat16, hq=hq, hkv=hkv,
+                                dim=dim, computed=computed, scheduled=scheduled,
+                                kv_layout=kv_layout, context_exchange=context_exchange)
+    for out in outs:
+        torch.testing.assert_close(out.float(), expect, **TOL)
+
+
+# (N, interleave, folded, hq, hkv, dim, kv_layout): decodes of 40, 17, 77, 300 tokens,
+# folded unless some rank stores no token of a request (N = 8, interleave 8: 17 and 40)
+DCP_DECODE_STEPS = [(3, 1, True, 8, 1, 64, "HND"), (3, 8, True, 16, 8, 256, "NHD"),
+                    (8, 1, True, 16, 2, 128, "HND"), (8, 8, False, 16, 8, 64, "HND")]
+
+
+@pytest.mark.parametrize("world,interleave,folded,hq,hkv,dim,kv_layout", DCP_DECODE_STEPS)
+def test_dcp_decode_steps_at_three_and_eight_ranks_on_flashinfer(world, interleave, folded,
+                                                                 hq, hkv, dim, kv_layout):
+    from dcp_harness import run_dcp_step
+    from vllm_pcp.dcp_plan import build_dcp_plan
+
+    computed, scheduled = [40, 17, 77, 300], [1, 1, 1, 1]
+    assert (build_dcp_plan(computed, scheduled, world, 0, interleave).decode
+            is not None) == folded
+    outs, expect = run_dcp_step(world, interleave, 2, "cuda", torch.bfloat16, hq=hq, hkv=hkv,
+                                dim=dim, computed=computed, scheduled=scheduled,
+                                kv_layout=kv_layout)
+    for out in outs:
+        torch.testing.assert_close(out.float(), expect, **TOL)
+        assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize("world,interleave,dim", [(2, 1, 128), (4, 8, 64), (3, 16, 256)])
+def test_dcp_fetched_and_queried_context_in_one_step_on_flashinfer(world, interleave, dim):
+    """A step whose split requests reach their context both ways: one written in this
+    step (a same-step prefix hit: queries), the others fetched with the new K/V."""
+    from dcp_harness import run_dcp_step
+    from vllm_pcp.dcp_plan import build_dcp_plan
+
+    computed, scheduled = [300, 64, 0, 40], [96, 200, 50, 1]
+    written = [False, True, False, False]
+    plan = build_dcp_plan(computed, scheduled, world, 0, interleave, context_exchange="keys",
+                          context_written_in_step=written)
+    assert plan.ctx_gather is not None and plan.ctx_gather.req.tolist() == [0]
+    assert set(plan.ctx_split.req.tolist()) == {1}
+    outs, expect = run_dcp_step(world, interleave, 2, "cuda", torch.bfloat16, hq=16, hkv=2,
+                                dim=dim, computed=computed, scheduled=scheduled,
+                                kv_layout="HND", context_exchange="keys",
+                                context_written_in_step=written)
+    for out in outs:
+        torch.testing.assert_close(out.float(), expect, **TOL)
