@@ -9,21 +9,30 @@ from vllm_pcp.config import WORKER_CLS, PCPConfigError, PCPKnobs, prepare_pcp_co
 def _config(pcp=2, **over):
     parallel = dict(prefill_context_parallel_size=pcp, data_parallel_size=1,
                     pipeline_parallel_size=1, decode_context_parallel_size=1,
-                    worker_cls="vllm.v1.worker.gpu_worker.Worker", dcp_comm_backend="ag_rs")
+                    worker_cls="vllm.v1.worker.gpu_worker.Worker", dcp_comm_backend="ag_rs",
+                    enable_expert_parallel=False)
     model = dict(use_mla=False, is_multimodal_model=False, enable_prompt_embeds=False,
-                 model="m")
+                 model="m", runner_type="generate", is_hybrid=False, is_attention_free=False,
+                 attention_chunk_size=None, architectures=["Qwen2ForCausalLM"])
     for key in list(over):
         if key in parallel:
             parallel[key] = over.pop(key)
         elif key in model:
             model[key] = over.pop(key)
+    model["hf_text_config"] = SimpleNamespace(**over.pop("hf", {}))
     return SimpleNamespace(
         parallel_config=SimpleNamespace(**parallel), model_config=SimpleNamespace(**model),
         speculative_config=over.pop("speculative_config", None),
         lora_config=over.pop("lora_config", None),
+        kv_transfer_config=over.pop("kv_transfer_config", None),
         attention_config=SimpleNamespace(backend=over.pop("backend", None)),
-        cache_config=SimpleNamespace(cache_dtype=over.pop("cache_dtype", "auto")),
-        compilation_config=SimpleNamespace(cudagraph_mode=over.pop("cudagraph_mode", None)),
+        cache_config=SimpleNamespace(
+            cache_dtype=over.pop("cache_dtype", "auto"),
+            kv_sharing_fast_prefill=over.pop("kv_sharing_fast_prefill", False),
+            calculate_kv_scales=over.pop("calculate_kv_scales", False)),
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=over.pop("cudagraph_mode", None),
+            pass_config=SimpleNamespace(enable_sp=over.pop("enable_sp", False))),
         additional_config=over.pop("additional_config", {}))
 
 
@@ -175,3 +184,196 @@ def test_the_builder_refuses_an_automatic_flashinfer_dcp_at_pcp1(monkeypatch):
     monkeypatch.setattr(FlashInferMetadataBuilder, "__init__", lambda *a: None)
     cfg.parallel_config.worker_cls = WORKER_CLS
     PCPFlashInferMetadataBuilder(None, [], cfg, "cpu")
+
+
+CONNECTOR = SimpleNamespace(kv_connector="NixlConnector")
+DCP2 = dict(decode_context_parallel_size=2)
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(kv_transfer_config=CONNECTOR),
+     "--kv-transfer-config (kv_connector NixlConnector): KV connectors key workers by "
+     "(pp rank, tp rank) and every PCP rank is tp rank 0; drop it (and "
+     "--kv-offloading-size, which sets it) or drop -pcp"),
+    (dict(kv_transfer_config=CONNECTOR, **DCP2), "every PCP rank is tp rank 0"),
+    (dict(pcp=1, backend=FI, kv_transfer_config=CONNECTOR, **DCP2),
+     "--kv-transfer-config (kv_connector NixlConnector): KV connectors are not verified "
+     "with vllm-pcp's DCP cache layout; drop it (and --kv-offloading-size, which sets "
+     "it) or drop -dcp"),
+    (dict(runner_type="pooling"),
+     "pooling model 'm' (--runner pooling): not yet verified with vllm-pcp; drop -pcp"),
+    (dict(pcp=1, backend=FI, runner_type="pooling", **DCP2), "drop -dcp"),
+    (dict(is_hybrid=True), "model 'm' has layers other than attention"),
+    (dict(is_attention_free=True), "vllm-pcp runs attention-only models; drop -pcp"),
+    (dict(attention_chunk_size=8192),
+     "chunked local attention (the model's attention_chunk_size = 8192): its virtual "
+     "batches bypass vllm-pcp's K/V exchange; drop -pcp"),
+    (dict(kv_sharing_fast_prefill=True), "--kv-sharing-fast-prefill: not handled by "
+     "vllm-pcp; drop it or drop -pcp"),
+    (dict(enable_sp=True), "--compilation-config pass_config.enable_sp (sequence "
+     "parallelism; fuse_gemm_comms turns it on)"),
+    (dict(calculate_kv_scales=True), "--calculate-kv-scales: each PCP rank would take the "
+     "KV scales from its own chunks' keys; drop it or drop -pcp"),
+    (dict(enable_expert_parallel=True), "--enable-expert-parallel: vLLM's expert-parallel "
+     "dispatch over the PCP ranks is not verified with vllm-pcp; drop it"),
+])
+def test_unhandled_features_are_refused(over, message):
+    cfg = _config(**over)
+    with pytest.raises(PCPConfigError) as err:
+        prepare_pcp_config(cfg)
+    assert message in str(err.value)
+    assert cfg.parallel_config.worker_cls != WORKER_CLS
+
+
+def test_dcp_inside_tp_keeps_what_needs_every_token_on_every_rank():
+    """At PCP = 1 no prefill is split: every rank runs every token, as sequence
+    parallelism and --calculate-kv-scales expect."""
+    assert prepare_pcp_config(_config(pcp=1, backend=FI, enable_sp=True, **DCP2))
+    assert prepare_pcp_config(_config(pcp=1, backend=FI, calculate_kv_scales=True, **DCP2))
+    assert prepare_pcp_config(_config(pcp=1, backend=FI, enable_expert_parallel=True, **DCP2))
+
+
+UNPLANNED = [  # model settings vllm-pcp's DCP attention does not plan, and the refusal
+    (dict(hf=dict(sliding_window=4096)),
+     "sliding-window attention (the model's sliding_window = 4096): vllm-pcp's DCP "
+     "attention has no window; drop -dcp"),
+    (dict(hf=dict(attn_logit_softcapping=50.0)),
+     "logit soft-capping (the model's attn_logit_softcapping = 50.0): vllm-pcp's DCP "
+     "attention does not cap logits; drop -dcp"),
+    (dict(architectures=["GptOssForCausalLM"]),
+     "attention sinks (architecture GptOssForCausalLM): vllm-pcp's DCP attention has no "
+     "sinks; drop -dcp"),
+    (dict(hf=dict(add_swa_attention_sink_bias=True)),
+     "attention sinks (the model's add_swa_attention_sink_bias = True): vllm-pcp's DCP "
+     "attention has no sinks; drop -dcp"),
+    (dict(hf=dict(swa_attention_sink_enabled=True)),
+     "attention sinks (the model's swa_attention_sink_enabled = True): vllm-pcp's DCP "
+     "attention has no sinks; drop -dcp"),
+]
+
+
+@pytest.mark.parametrize("model,message", UNPLANNED)
+def test_dcp_refuses_attention_it_does_not_plan(model, message):
+    with pytest.raises(PCPConfigError) as err:
+        prepare_pcp_config(_config(**model, **DCP2))
+    assert message + " (run -pcp 2 alone)" in str(err.value)
+    with pytest.raises(PCPConfigError) as err:  # DCP inside TP: the same attention
+        prepare_pcp_config(_config(pcp=1, backend=FI, **model, **DCP2))
+    assert message in str(err.value) and "(DCP inside TP)" in str(err.value)
+
+
+@pytest.mark.parametrize("model,message", UNPLANNED)
+def test_pcp_alone_keeps_stock_attention_settings(model, message):
+    """At DCP = 1 every layer runs vLLM's FlashInfer plan, which carries window_left,
+    logits_soft_cap and sinks (tests/test_sliding_window.py)."""
+    assert prepare_pcp_config(_config(**model))
+
+
+def test_sliding_window_refusal_offers_disable_sliding_window():
+    with pytest.raises(PCPConfigError, match=r"or pass \-\-disable\-sliding\-window "
+                       r"\(caps \-\-max\-model\-len at the window\)"):
+        prepare_pcp_config(_config(hf=dict(sliding_window=4096), **DCP2))
+    assert prepare_pcp_config(_config(hf=dict(sliding_window=None), **DCP2))
+    assert prepare_pcp_config(_config(hf=dict(sliding_window=0), **DCP2))  # Qwen2-MoE: none
+
+
+@pytest.fixture
+def real_config(tmp_path, monkeypatch):
+    """vLLM's own VllmConfig of a small Qwen2 model (Triton shown as present)."""
+    import vllm.config.vllm as vllm_config_module
+    from transformers import Qwen2Config
+    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    import vllm_pcp
+
+    vllm_pcp.register()  # the DCP == PCP patch of ModelConfig.verify_with_parallel_config
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+
+    def make(pcp=2, dcp=1, runner="auto", hf=None, **vllm_kwargs):
+        Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+                    max_position_embeddings=4096, **(hf or {})).save_pretrained(tmp_path)
+        return VllmConfig(
+            model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True,
+                                     dtype="bfloat16", runner=runner),
+            device_config=DeviceConfig(device="cuda"),
+            parallel_config=ParallelConfig(prefill_context_parallel_size=pcp,
+                                           decode_context_parallel_size=dcp),
+            **vllm_kwargs)
+
+    return make
+
+
+WINDOW = dict(use_sliding_window=True, sliding_window=64, max_window_layers=2)
+
+
+def test_real_config_refusals(real_config):
+    from vllm.config import KVTransferConfig
+
+    cases = [
+        (real_config(dcp=2, hf=WINDOW), "(the model's sliding_window = 64)"),
+        (real_config(runner="pooling"), "(--runner pooling)"),
+        (real_config(kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector",
+                                                         kv_role="kv_both")),
+         "--kv-transfer-config (kv_connector NixlConnector)"),
+    ]
+    for cfg, message in cases:
+        with pytest.raises(PCPConfigError) as err:
+            prepare_pcp_config(cfg)
+        assert message in str(err.value)
+    assert cases[0][0].model_config.get_sliding_window() == 64  # what the check reads
+    assert prepare_pcp_config(real_config(hf=WINDOW))  # -pcp 2 alone: stock window
+
+
+@pytest.fixture
+def make_impl(monkeypatch):
+    """A real PCPFlashInferImpl built on CPU, its DCP and PCP group sizes (which
+    AttentionImplBase.__new__ reads from vLLM's parallel state) given."""
+    import torch
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.v1.attention.backends.flashinfer as flashinfer
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    from vllm_pcp.backend import PCPFlashInferImpl
+
+    monkeypatch.setattr(flashinfer, "can_use_trtllm_attention", lambda *a, **k: False)
+    config = VllmConfig(device_config=DeviceConfig(device="cuda"))
+
+    def make(dcp, pcp=1, sliding_window=None, logits_soft_cap=None, sinks=False):
+        for name, size in (("get_dcp_group", dcp), ("get_pcp_group", pcp)):
+            monkeypatch.setattr(parallel_state, name, lambda size=size: SimpleNamespace(
+                world_size=size, rank_in_group=0))
+        with set_current_vllm_config(config):
+            return PCPFlashInferImpl(8, 64, 0.125, 2, None, sliding_window, "auto",
+                                     logits_soft_cap=logits_soft_cap,
+                                     sinks=torch.zeros(8) if sinks else None)
+
+    return make
+
+
+@pytest.mark.parametrize("layer,settings", [
+    (dict(sliding_window=128), "a sliding window of 128 tokens"),
+    (dict(logits_soft_cap=30.0), "logits_soft_cap 30.0"),
+    (dict(sinks=True), "attention sinks"),
+    (dict(sliding_window=128, logits_soft_cap=30.0, sinks=True),
+     "a sliding window of 128 tokens and logits_soft_cap 30.0 and attention sinks"),
+])
+def test_dcp_layer_refuses_what_its_attention_does_not_plan(make_impl, layer, settings):
+    with pytest.raises(PCPConfigError) as err:
+        make_impl(dcp=2, pcp=2, **layer)
+    assert str(err.value) == (
+        f"vllm-pcp cannot run --decode-context-parallel-size 2 (-pcp 2 -dcp 2) with an "
+        f"attention layer with {settings}: vllm-pcp's DCP attention plans FlashInfer "
+        "without window_left, logits_soft_cap or sinks; drop "
+        "--decode-context-parallel-size (run -pcp 2 alone)")
+    with pytest.raises(PCPConfigError, match=r"\(\-dcp 2\) with an attention layer with "
+                       r".*\(run without it\)"):
+        make_impl(dcp=2, pcp=1, **layer)  # DCP inside TP
+
+
+def test_layers_without_dcp_keep_their_settings(make_impl):
+    impl = make_impl(dcp=1, pcp=2, sliding_window=128, logits_soft_cap=30.0, sinks=True)
+    assert (impl.window_left, impl.logits_soft_cap, impl.sinks.shape) == (127, 30.0, (8,))
+    impl = make_impl(dcp=2, pcp=2)  # a plain layer under DCP
+    assert (impl.dcp_world_size, impl.sliding_window, impl.logits_soft_cap,
+            impl.sinks) == (2, (-1, -1), None, None)

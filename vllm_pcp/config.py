@@ -29,7 +29,9 @@ class PCPKnobs:
         earlier steps stored on other ranks (``pcp_dcp_context_exchange``):
         ``"queries"`` all-gathers its queries and sends partial outputs back,
         ``"keys"`` all-gathers the context K/V, ``"auto"`` (default) whichever moves
-        fewer bytes in that step (:mod:`vllm_pcp.dcp_plan`).
+        fewer bytes in that step (:mod:`vllm_pcp.dcp_plan`). A chunk whose context
+        another request writes in the same step (a prefix hit on its blocks) sends
+        its queries under every value (:mod:`vllm_pcp.dcp_prefix`).
     """
 
     min_split_tokens: int | None = None
@@ -100,7 +102,69 @@ def _dcp_refusals(vllm_config) -> list[str]:
     if cache_dtype not in ("auto", "bfloat16", "float16"):
         out.append(f"--kv-cache-dtype {cache_dtype}: vllm-pcp's DCP runs unquantized KV "
                    "caches")
+    return out + _dcp_attention_refusals(vllm_config.model_config, pcp)
+
+
+# vLLM 0.26.0 models whose attention layers have sinks, by architecture or by the hf
+# config setting that turns them on (gpt_oss.py, mimo_v2.py, laguna.py)
+_SINK_ARCHITECTURES = ("GptOssForCausalLM",)
+_SINK_SETTINGS = ("add_swa_attention_sink_bias", "swa_attention_sink_enabled")
+
+
+def _hf_setting(model, key: str):
+    return getattr(getattr(model, "hf_text_config", None), key, None)
+
+
+def _attention_sinks(model) -> str | None:
+    """What gives the model attention sinks, or None."""
+    for arch in getattr(model, "architectures", None) or ():
+        if arch in _SINK_ARCHITECTURES:
+            return f"architecture {arch}"
+    for key in _SINK_SETTINGS:
+        if _hf_setting(model, key):
+            return f"the model's {key} = {_hf_setting(model, key)!r}"
+    return None
+
+
+def _dcp_attention_refusals(model, pcp: int) -> list[str]:
+    """Attention settings of the model that vllm-pcp's DCP attention does not plan
+    (it runs FlashInfer without ``window_left``, ``logits_soft_cap`` or sinks).
+
+    The sliding window is ``ModelConfig.get_sliding_window()`` (the hf text config's
+    ``sliding_window``, None once ``--disable-sliding-window`` is given), the soft cap
+    the ``attn_logit_softcapping`` vLLM's models pass to their attention layers.
+    :class:`vllm_pcp.backend.PCPFlashInferImpl` checks every layer again.
+    """
+    way_out = f"drop -dcp (run -pcp {pcp} alone)" if pcp > 1 else "drop -dcp"
+    out = []
+    window = _hf_setting(model, "sliding_window")
+    if window:  # Qwen2-MoE configs keep 0 for no window
+        out.append(f"sliding-window attention (the model's sliding_window = {window}): "
+                   "vllm-pcp's DCP attention has no window; "
+                   f"{way_out}, or pass --disable-sliding-window (caps --max-model-len at "
+                   "the window)")
+    softcap = _hf_setting(model, "attn_logit_softcapping")
+    if softcap:
+        out.append(f"logit soft-capping (the model's attn_logit_softcapping = {softcap}): "
+                   f"vllm-pcp's DCP attention does not cap logits; {way_out}")
+    sinks = _attention_sinks(model)
+    if sinks is not None:
+        out.append(f"attention sinks ({sinks}): vllm-pcp's DCP attention has no sinks; "
+                   f"{way_out}")
     return out
+
+
+def dcp_layer_error(settings: list[str], pcp: int, dcp: int) -> PCPConfigError:
+    """The refusal of an attention layer whose ``settings`` (e.g. ``"sliding window of
+    4096 tokens"``) vllm-pcp's DCP attention does not plan; raised while the model is
+    built, so it stops the engine at start-up whatever the model's config says."""
+    layout = f"-pcp {pcp} -dcp {dcp}" if pcp > 1 else f"-dcp {dcp}"
+    way_out = f"run -pcp {pcp} alone" if pcp > 1 else "run without it"
+    return PCPConfigError(
+        f"vllm-pcp cannot run --decode-context-parallel-size {dcp} ({layout}) with an "
+        f"attention layer with {' and '.join(settings)}: vllm-pcp's DCP attention plans "
+        "FlashInfer without window_left, logits_soft_cap or sinks; drop "
+        f"--decode-context-parallel-size ({way_out})")
 
 
 def _refusals(vllm_config) -> list[str]:
@@ -128,6 +192,52 @@ def _refusals(vllm_config) -> list[str]:
     if backend not in (None, "FLASHINFER"):
         out.append(f"--attention-backend {backend}: PCP for GQA models runs on "
                    "FLASHINFER only; pass --attention-backend FLASHINFER or omit it")
+    return out + _unverified_refusals(vllm_config, cp)
+
+
+def _kv_transfer_refusal(vllm_config, cp: str) -> str:
+    connector = getattr(vllm_config.kv_transfer_config, "kv_connector", None)
+    why = ("KV connectors key workers by (pp rank, tp rank) and every PCP rank is tp "
+           "rank 0" if cp == "-pcp" else
+           "KV connectors are not verified with vllm-pcp's DCP cache layout")
+    return (f"--kv-transfer-config (kv_connector {connector}): {why}; drop it (and "
+            f"--kv-offloading-size, which sets it) or drop {cp}")
+
+
+def _unverified_refusals(vllm_config, cp: str) -> list[str]:
+    """Features vllm-pcp does not handle: refused until they are made exact."""
+    model = vllm_config.model_config
+    out = []
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        out.append(_kv_transfer_refusal(vllm_config, cp))
+    if getattr(model, "runner_type", "generate") == "pooling":
+        out.append(f"pooling model {model.model!r} (--runner pooling): not yet verified "
+                   f"with vllm-pcp; drop {cp}")
+    if getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False):
+        out.append(f"model {model.model!r} has layers other than attention (mamba, "
+                   f"linear attention): vllm-pcp runs attention-only models; drop {cp}")
+    chunk = getattr(model, "attention_chunk_size", None)
+    if chunk is not None:
+        out.append(f"chunked local attention (the model's attention_chunk_size = {chunk}): "
+                   f"its virtual batches bypass vllm-pcp's K/V exchange; drop {cp}")
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(cache, "kv_sharing_fast_prefill", False):
+        out.append(f"--kv-sharing-fast-prefill: not handled by vllm-pcp; drop it or drop "
+                   f"{cp}")
+    if cp == "-pcp" and getattr(vllm_config.parallel_config, "enable_expert_parallel", False):
+        out.append("--enable-expert-parallel: vLLM's expert-parallel dispatch over the PCP "
+                   "ranks is not verified with vllm-pcp; drop it (without it the experts are "
+                   "sharded over the -tp x -pcp ranks and every rank's rows line up) or drop "
+                   "-pcp")
+    if cp == "-pcp" and getattr(cache, "calculate_kv_scales", False):
+        out.append("--calculate-kv-scales: each PCP rank would take the KV scales from its "
+                   "own chunks' keys; drop it or drop -pcp")
+    pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config",
+                          None)
+    if cp == "-pcp" and getattr(pass_config, "enable_sp", False):
+        out.append("--compilation-config pass_config.enable_sp (sequence parallelism; "
+                   "fuse_gemm_comms turns it on): split steps run a local token count it "
+                   "does not scatter over -tp; turn both off or drop -pcp")
     return out
 
 
