@@ -12,6 +12,26 @@ Three steps, so that long GPU runs can be split over several commands:
 (transformers init, seed 0); ``run`` starts one engine per (model, variant,
 config) in its own process (scripts/exactness_worker.py); ``compare`` applies
 the pass rule of exactness_lib.compare_outputs to every case.
+
+The teacher-forced measure (scripts/run_gpu_checks.sh teacher) scores the pcp1
+greedy outputs of a ``run`` in every configuration, then compares the scores:
+
+    python scripts/check_exactness.py run --configs pcp1 --variants chunked \
+        --max-tokens 256 --models ... --raw raw-gen.json
+    python scripts/check_exactness.py run --teacher raw-gen.json --max-tokens 256 \
+        --configs pcp1,pcp1-graphs,pcp1-flash-attn,pcp2 --models ... --raw raw-teacher.json
+    python scripts/check_exactness.py teacher --raw raw-teacher.json --git-rev REV \
+        --command "..." --out tests/gpu/results/exactness-teacher.json
+
+The feature cases (scripts/exactness_features.py; run_gpu_checks.sh exact-features)
+have their own subcommand: each configuration carries its case group, baseline and
+tokenizer, a run that must be refused is timed from its log and killed if it hangs,
+and the judging adds rules of its own (n = 4 exact, prompt logprobs, preemption):
+
+    python scripts/check_exactness.py features run --models qwen2.5-3b-shape \
+        --variants chunked,unchunked --raw raw-features.json
+    python scripts/check_exactness.py features compare --raw raw-features*.json \
+        --git-rev REV --command "..." --out tests/gpu/results/exactness-features.json
 """
 from __future__ import annotations
 
@@ -24,7 +44,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from exactness_features_cli import add_features_parser, feature_configs, features  # noqa: E402
 from exactness_lib import compare_outputs  # noqa: E402
+from exactness_teacher import _teacher_args, add_teacher_parser, teacher  # noqa: E402
 from gpu_runs import run_worker, versions  # noqa: E402
 from kv_capacity import kv_capacity  # noqa: E402
 
@@ -57,6 +79,8 @@ BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1",
             "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
             **{c: "pcp1-graphs" if c.endswith("-graphs") else "pcp1"
                for c in CONFIGS if "-dcp2" in c}}
+# the feature cases' own configurations (their baselines: exactness_features_cli)
+CONFIGS.update(feature_configs(CONFIGS))
 # The noise floor: one GPU against itself, (variant, config) vs (variant, config). CUDA
 # graphs with torch.compile, or another chunk size, compute the same model with other
 # roundings in another order; any exact change of kernel or partition is measured against it.
@@ -69,14 +93,19 @@ TEXT_DATA = os.path.join(os.environ.get("DATA_GSM8K", os.path.join(ROOT, ".gpu",
                          "train.jsonl")
 SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
                  "qwen2.5-coder-0.5b": "/tmp/models/qwen2.5-coder-0.5b"}
+# Tokenizers for random models without one (same vocabulary): the feature cases' JSON schema
+FEATURE_TOKENIZERS = {"qwen2.5-3b-shape": SHARED_MODELS["qwen2.5-coder-0.5b"]}
 
 
-def build_models(out_dir: str, layers: int, device: str = "cuda") -> None:
+def build_models(out_dir: str, layers: int, device: str = "cuda",
+                 only: list[str] | None = None) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     for name in sorted(os.listdir(os.path.join(ROOT, "configs", "models"))):
         target = os.path.join(out_dir, name.removesuffix(".json"))
+        if only and name.removesuffix(".json") not in only:
+            continue
         if os.path.exists(os.path.join(target, "config.json")):
             continue
         path = os.path.join(ROOT, "configs", "models", name)
@@ -108,7 +137,8 @@ def _run_one(args, tmp: str, model: str, variant: str, config: str, env: dict) -
            "--model", _model_dir(model, args.models_dir), "--variant", variant,
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--max-tokens", str(args.max_tokens), "--out", out, *CONFIGS[config],
-           *_prompt_args(model, getattr(args, "text_data", TEXT_DATA))]
+           *_prompt_args(model, getattr(args, "text_data", TEXT_DATA)),
+           *_teacher_args(args, model)]
     if args.kv_cache_gib:
         cmd += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
     return run_worker(cmd, out, "results",
@@ -134,8 +164,9 @@ def _lanes(jobs: list, overlap: bool, lanes: int, gpus: int,
     return [(lane_jobs, env) for lane_jobs, env in out if lane_jobs]
 
 
-def run(args) -> None:
-    """One engine per (model, variant, config), in lanes (see ``_lanes``)."""
+def run(args, run_one=None) -> None:
+    """One engine per (model, variant, config), in lanes (see ``_lanes``); ``run_one``
+    runs a job (default :func:`_run_one`)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -153,7 +184,7 @@ def run(args) -> None:
         for job in lane_jobs:
             if failed.is_set():
                 return
-            entry = _run_one(args, tmp, *job, env)
+            entry = (run_one or _run_one)(args, tmp, *job, env)
             with lock:
                 raw["runs"].append(entry)
                 with open(args.raw, "w") as f:
@@ -218,14 +249,31 @@ def _compare_run(model: str, label: str, run: dict, base: dict, tokens: int) -> 
     return cases
 
 
-def compare(args) -> None:
+def _load_runs(paths: list[str]) -> tuple[dict, dict]:
+    """The runs of raw files by (model, variant, config), a later file's replacing an
+    earlier one's, and the versions of the last file."""
     runs, host = {}, {}
-    for path in args.raw:
+    for path in paths:
         with open(path) as f:
             data = json.load(f)
         host = data["versions"]
         for run in data["runs"]:
             runs[(run["model"], run["variant"], run["config"])] = run
+    return runs, host
+
+
+def _meta(args, host: dict) -> dict:
+    """A result file's ``meta``: revision, command, GPU, versions, date and note."""
+    meta = {"git_rev": args.git_rev, "command": args.command, "gpu": host.get("gpu"),
+            "vllm": host.get("vllm"), "flashinfer": host.get("flashinfer"),
+            "torch": host.get("torch"), "date": args.date or datetime.date.today().isoformat()}
+    if args.note:
+        meta["note"] = args.note
+    return meta
+
+
+def compare(args) -> None:
+    runs, host = _load_runs(args.raw)
     cases = []
     for (model, variant, config), run in sorted(runs.items()):
         base = runs.get((model, variant, BASELINE.get(config, "")))
@@ -241,13 +289,9 @@ def compare(args) -> None:
                           "error": failed.get("log_tail", "")[-1500:]})
             continue
         cases += _compare_run(model, label, run, base, args.tokens)
-    meta = {"git_rev": args.git_rev, "command": args.command, "gpu": host.get("gpu"),
-            "vllm": host.get("vllm"), "flashinfer": host.get("flashinfer"),
-            "torch": host.get("torch"), "date": args.date or datetime.date.today().isoformat()}
+    meta = _meta(args, host)
     if args.tokens:
         meta["compared_tokens"] = args.tokens
-    if args.note:
-        meta["note"] = args.note
     summary = _summarize(cases)
     text = [c for c in cases if c["model"].endswith(TEXT_SUFFIX)]
     if text:  # real models on real text
@@ -293,6 +337,27 @@ def _summarize(cases: list[dict]) -> dict:
                 default=None)}
 
 
+def add_run_args(parser, models: dict, configs: str) -> None:
+    """The flags ``run`` and ``features run`` share; ``--models`` takes ``models``."""
+    parser.add_argument("--models", **models)
+    parser.add_argument("--models-dir", default="/tmp/pcp-models")
+    parser.add_argument("--variants", default="unchunked,chunked")
+    parser.add_argument("--configs", default=configs)
+    parser.add_argument("--raw", required=True)
+    parser.add_argument("--fail-fast", action="store_true")
+    parser.add_argument("--overlap", action="store_true",
+                        help="run one-GPU configurations on the last GPU beside the others")
+
+
+def add_result_args(parser) -> None:
+    """The flags of a subcommand that writes a result file from raw files."""
+    parser.add_argument("--raw", nargs="+", required=True)
+    parser.add_argument("--git-rev", required=True)
+    parser.add_argument("--command", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--note", default="", help="stored as meta.note")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -301,15 +366,9 @@ def main() -> None:
     m.add_argument("--out-dir", default="/tmp/pcp-models")
     m.add_argument("--layers", type=int, default=4)
     m.add_argument("--device", default="cuda")
+    m.add_argument("--only", default="", help="comma-separated model names (default: all)")
     r = sub.add_parser("run")
-    r.add_argument("--models", required=True)
-    r.add_argument("--models-dir", default="/tmp/pcp-models")
-    r.add_argument("--variants", default="unchunked,chunked")
-    r.add_argument("--configs", default="pcp1,pcp2")
-    r.add_argument("--raw", required=True)
-    r.add_argument("--fail-fast", action="store_true")
-    r.add_argument("--overlap", action="store_true",
-                   help="run one-GPU configurations on the last GPU beside the others")
+    add_run_args(r, {"required": True}, "pcp1,pcp2")
     r.add_argument("--lanes", type=int, default=1,
                    help="with --overlap: lanes of jobs on several GPUs")
     r.add_argument("--one-gpu-lanes", type=int, default=None,
@@ -321,12 +380,11 @@ def main() -> None:
     r.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     r.add_argument("--text-data", default=TEXT_DATA,
                    help="GSM8K JSONL for models named NAME-text (real-text prompts)")
+    r.add_argument("--teacher", default="",
+                   help="a raw file of a pcp1 run: score its greedy outputs appended to the "
+                        "prompts (prompt_logprobs) instead of generating; --max-tokens as there")
     c = sub.add_parser("compare")
-    c.add_argument("--raw", nargs="+", required=True)
-    c.add_argument("--git-rev", required=True)
-    c.add_argument("--command", required=True)
-    c.add_argument("--out", required=True)
-    c.add_argument("--note", default="", help="stored as meta.note")
+    add_result_args(c)
     c.add_argument("--tokens", type=int, default=0,
                    help="compare only the first N generated tokens of each output")
     c.add_argument("--date", default="", help="date of the GPU run (default: today)")
@@ -334,17 +392,24 @@ def main() -> None:
                    help="bench_pcp.py raw run whose KV pools (pcp2, pcp2-dcp2) go into kv_capacity")
     c.add_argument("--serve-logs", nargs=2, metavar=("PCP2_LOG", "PCP2_DCP2_LOG"),
                    help="vllm serve logs whose KV pools go into kv_capacity (first choice)")
+    add_teacher_parser(sub)
     k = sub.add_parser("collect")
     k.add_argument("--raw", required=True)
     k.add_argument("--versions", required=True, help="JSON: gpu, torch, vllm, flashinfer")
     k.add_argument("worker_json", nargs="+")
+    add_features_parser(sub)
     args = ap.parse_args()
     if args.cmd == "models":
-        build_models(args.out_dir, args.layers, args.device)
+        build_models(args.out_dir, args.layers, args.device,
+                     [n for n in args.only.split(",") if n])
     elif args.cmd == "run":
         run(args)
     elif args.cmd == "collect":
         collect(args)
+    elif args.cmd == "features":
+        features(args)
+    elif args.cmd == "teacher":
+        teacher(args)
     else:
         compare(args)
 

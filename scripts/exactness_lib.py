@@ -1,4 +1,5 @@
-"""Pure helpers of the exactness checks: prompts, cases and the pass rule.
+"""Pure helpers of the exactness checks: prompts, cases, the pass rule and the
+teacher-forced measure.
 
 The pass rule is vLLM's ``check_logprobs_close``: two greedy runs agree if
 their tokens are identical, or if at the first differing position each side's
@@ -97,3 +98,88 @@ def compare_outputs(a: dict, b: dict, top_k: int = 5) -> dict:
     if passed and first is not None:
         out["baseline_margin"] = round(lb[first][str(tb[first])] - lb[first][str(ta[first])], 6)
     return out
+
+
+# The teacher-forced measure: one fixed continuation (the one-GPU greedy output) appended
+# to each prompt and scored with prompt_logprobs by every configuration. A rounding
+# difference moves the log-probability of the given token a little at the positions after
+# it, and never changes which tokens later positions see, so nothing cascades.
+TEACHER_SOURCE = {"config": "pcp1", "variant": "chunked"}
+OVER_LIMIT = 1.0  # a position whose |logprob difference| exceeds this fails the goal
+
+
+def teacher_continuations(raw: dict, model: str) -> dict[str, dict]:
+    """The continuations of ``model`` to score, ``case -> {"prompt_lens", "token_ids"}``
+    (one token list per prompt), from the :data:`TEACHER_SOURCE` run of a raw file of
+    ``check_exactness.py run``."""
+    for run in raw["runs"]:
+        if (run["model"] == model and run["config"] == TEACHER_SOURCE["config"]
+                and run["variant"] == TEACHER_SOURCE["variant"] and not run["returncode"]):
+            return {res["case"]: {"prompt_lens": res["prompt_lens"],
+                                  "token_ids": [out["token_ids"] for out in res["outputs"]]}
+                    for res in run["results"]}
+    raise ValueError(f"no successful {TEACHER_SOURCE} run of {model} to take continuations from")
+
+
+def teacher_prompts(prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """Each prompt followed by its continuation."""
+    if len(prompts) != len(continuations):
+        raise ValueError(f"{len(prompts)} prompts, {len(continuations)} continuations")
+    return [list(p) + list(c) for p, c in zip(prompts, continuations)]
+
+
+def abs_logprob_diffs(scores: list[list[float]], base_scores: list[list[float]]) -> np.ndarray:
+    """|difference| of the given token's logprob at each scored position of a case (its
+    prompts one after the other), ``scores`` against ``base_scores``."""
+    if [len(s) for s in scores] != [len(s) for s in base_scores]:
+        raise ValueError(f"scored positions differ: {[len(s) for s in scores]} vs "
+                         f"{[len(s) for s in base_scores]}")
+    flat = [np.asarray(s, dtype=np.float64) for s in scores]
+    base = [np.asarray(s, dtype=np.float64) for s in base_scores]
+    empty = [np.zeros(0)]
+    return np.abs(np.concatenate(flat or empty) - np.concatenate(base or empty))
+
+
+def diff_stats(diffs: np.ndarray) -> dict:
+    """Max, 99th percentile (linear interpolation) and the count over :data:`OVER_LIMIT`
+    of |logprob differences|."""
+    if not len(diffs):
+        return {"positions": 0, "max_abs_logprob_diff": None, "p99_abs_logprob_diff": None,
+                "positions_over_1": 0}
+    return {"positions": int(len(diffs)),
+            "max_abs_logprob_diff": round(float(np.max(diffs)), 6),
+            "p99_abs_logprob_diff": round(float(np.percentile(diffs, 99)), 6),
+            "positions_over_1": int(np.sum(diffs > OVER_LIMIT))}
+
+
+def larger_floor(floors: dict[str, dict | None]) -> dict | None:
+    """The larger one-GPU floor at max and at p99 (each taken on its own), or None when a
+    floor is missing or has no positions."""
+    if not floors or any(f is None or not f["positions"] for f in floors.values()):
+        return None
+    return {key: max(f[key] for f in floors.values())
+            for key in ("max_abs_logprob_diff", "p99_abs_logprob_diff")}
+
+
+def teacher_goal(floors: dict[str, dict | None], measured: dict[str, dict | None],
+                 factors: dict[str, float]) -> dict:
+    """The goal as booleans: each configuration of ``factors`` at most ``factor`` times the
+    larger floor at max and at p99 (None: not run, or no floor to compare with; False: its
+    run failed), no position over :data:`OVER_LIMIT` in any measured configuration, and
+    ``met``: False if a check is, else None if a check is, else True. ``floors`` and
+    ``measured``: config -> :func:`diff_stats`, or None for a failed run."""
+    floor = larger_floor(floors)
+    checks: dict[str, bool | None] = {}
+    for config, factor in factors.items():
+        if config not in measured or floor is None:
+            checks[config] = None
+        elif measured[config] is None or not measured[config]["positions"]:
+            checks[config] = False
+        else:
+            checks[config] = all(measured[config][key] <= factor * floor[key] for key in floor)
+    stats = [s for s in measured.values() if s is not None]
+    checks["no_position_over_1"] = (not any(s["positions_over_1"] for s in stats)
+                                    if stats else None)
+    values = list(checks.values())
+    checks["met"] = False if False in values else None if None in values else True
+    return {"larger_floor": floor, "factors": dict(factors), **checks}

@@ -12,12 +12,17 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exactness_lib import MAX_TOKENS, build_cases, render_gsm8k, text_prompt  # noqa: E402
+from exactness_lib import (MAX_TOKENS, build_cases, render_gsm8k,  # noqa: E402
+                           teacher_continuations, teacher_prompts, text_prompt)
+from exactness_features import (ENGINE_START_MARK, add_feature_args,  # noqa: E402
+                                engine_feature_args, run_feature_group)
 from gpu_runs import NO_ALLREDUCE_FUSION  # noqa: E402
 
 from vllm_pcp.config import CONTEXT_EXCHANGES  # noqa: E402
 
 VARIANTS = {"unchunked": None, "chunked": 2048}
+TEACHER_KINDS = ("batch", "prefix", "arrival")
+ARRIVAL_DECODE_TOKENS = 64  # the short request decodes through the long prompt's prefill
 
 
 def _record(completion) -> dict:
@@ -26,17 +31,23 @@ def _record(completion) -> dict:
                          for pos in completion.logprobs]}
 
 
-def _run_arrival(llm, prompts, params) -> list[dict]:
-    """A long prompt arrives while a short request is decoding."""
+def _arrival_outputs(llm, prompts, params_per_prompt) -> list:
+    """The RequestOutputs of a long prompt that arrives while a short request is
+    decoding (``prompts``: short, long; one SamplingParams each)."""
     engine = llm.llm_engine
-    engine.add_request("short", {"prompt_token_ids": prompts[0]}, params)
+    engine.add_request("short", {"prompt_token_ids": prompts[0]}, params_per_prompt[0])
     done = {}
     for _ in range(4):
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    engine.add_request("long", {"prompt_token_ids": prompts[1]}, params)
+    engine.add_request("long", {"prompt_token_ids": prompts[1]}, params_per_prompt[1])
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    return [_record(done[name].outputs[0]) for name in ("short", "long")]
+    return [done[name] for name in ("short", "long")]
+
+
+def _run_arrival(llm, prompts, params) -> list[dict]:
+    """A long prompt arrives while a short request is decoding."""
+    return [_record(o.outputs[0]) for o in _arrival_outputs(llm, prompts, [params, params])]
 
 
 def run_cases(llm, cases, max_tokens: int = MAX_TOKENS) -> list[dict]:
@@ -58,6 +69,74 @@ def run_cases(llm, cases, max_tokens: int = MAX_TOKENS) -> list[dict]:
         results.append({"case": case["case"], "prompt_lens": [len(p) for p in case["prompts"]],
                         "outputs": outs, "seconds": round(time.perf_counter() - start, 3)})
         print(f"case {case['case']}: {results[-1]['seconds']} s", flush=True)
+    return results
+
+
+def given_token_logprobs(prompt_logprobs, token_ids: list[int], start: int) -> list[float]:
+    """The logprob of each of ``token_ids[start:]`` at its position, from a RequestOutput's
+    ``prompt_logprobs`` (vLLM 0.26.0: position 0 is empty, position i maps ``token_ids[i]``
+    to its Logprob, with ``prompt_logprobs=0`` that token alone; a list of dicts or a
+    FlatLogprobs)."""
+    if len(prompt_logprobs) != len(token_ids):
+        raise ValueError(f"{len(prompt_logprobs)} prompt logprobs for {len(token_ids)} tokens")
+    return [float(prompt_logprobs[i][token_ids[i]].logprob)
+            for i in range(start, len(token_ids))]
+
+
+def _score_params(kind: str, prompts: int) -> list:
+    """SamplingParams per prompt of a scoring case: one greedy token and the logprob of
+    each given prompt token. The second prompt of a "prefix" case reads the first's cached
+    blocks (vLLM skips the cache under prompt_logprobs unless told not to; the positions
+    it leaves unscored lie inside the shared prefix, before any scored one); the short
+    request of an "arrival" case decodes while the long prompt's prefill runs."""
+    from vllm import SamplingParams
+
+    score = {"temperature": 0.0, "max_tokens": 1, "prompt_logprobs": 0, "detokenize": False}
+    params = [SamplingParams(**score) for _ in range(prompts)]
+    if kind == "prefix":
+        params[1] = SamplingParams(**score, skip_reading_prefix_cache=False)
+    elif kind == "arrival":
+        params[0] = SamplingParams(**{**score, "max_tokens": ARRIVAL_DECODE_TOKENS},
+                                   ignore_eos=True)
+    return params
+
+
+def _teacher_outputs(llm, kind: str, prompts: list[list[int]], params: list) -> list:
+    """The RequestOutputs of one scoring case, sent as :func:`run_cases` sends its kind."""
+    if kind == "batch":
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if kind == "prefix":
+        return [llm.generate([{"prompt_token_ids": p}], [sp], use_tqdm=False)[0]
+                for p, sp in zip(prompts, params)]
+    return _arrival_outputs(llm, prompts, params)
+
+
+def score_cases(llm, cases, continuations: dict[str, dict]) -> list[dict]:
+    """Each case's prompts with their continuations (:func:`exactness_lib.teacher_continuations`)
+    scored: per prompt the logprob of each continuation token. Cases without a continuation,
+    or of a kind other than :data:`TEACHER_KINDS`, are left out."""
+    results = []
+    for case in cases:
+        source = continuations.get(case["case"])
+        if source is None or case["kind"] not in TEACHER_KINDS:
+            print(f"case {case['case']}: not scored (no continuation or kind {case['kind']})")
+            continue
+        prompt_lens = [len(p) for p in case["prompts"]]
+        if source["prompt_lens"] != prompt_lens:
+            raise ValueError(f"case {case['case']}: prompts of {prompt_lens} tokens, the "
+                             f"continuations' of {source['prompt_lens']} (same --max-tokens?)")
+        full = teacher_prompts(case["prompts"], source["token_ids"])
+        start = time.perf_counter()
+        outs = _teacher_outputs(llm, case["kind"], full, _score_params(case["kind"], len(full)))
+        cached = [o.num_cached_tokens or 0 for o in outs]
+        if any(c > n for c, n in zip(cached, prompt_lens)):
+            raise RuntimeError(f"case {case['case']}: cache hits {cached} reach past the prompts")
+        results.append({"case": case["case"], "prompt_lens": prompt_lens,
+                        "scores": [given_token_logprobs(o.prompt_logprobs, f, n)
+                                   for o, f, n in zip(outs, full, prompt_lens)],
+                        "cached_tokens": cached,
+                        "seconds": round(time.perf_counter() - start, 3)})
+        print(f"case {case['case']}: scored in {results[-1]['seconds']} s", flush=True)
     return results
 
 
@@ -120,20 +199,34 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--kv-pool-tokens", type=int, default=0,
                     help="fixed KV pool of this many tokens per rank (overrides "
                          "--kv-cache-memory-bytes)")
+    ap.add_argument("--teacher", default="",
+                    help="a raw file of check_exactness.py run: score its one-GPU greedy "
+                         "outputs appended to the prompts (prompt_logprobs) instead of "
+                         "generating; --max-tokens as in that run")
+    ap.add_argument("--teacher-model", default="",
+                    help="with --teacher: the model's name in that file")
+    add_feature_args(ap)
     ap.add_argument("--out", required=True)
     return ap.parse_args()
 
 
 def main() -> None:
     args = _parse_args()
+    continuations = None
+    if args.teacher:
+        with open(args.teacher) as f:
+            continuations = teacher_continuations(json.load(f), args.teacher_model)
     from vllm import LLM
 
     with open(os.path.join(args.model, "config.json")) as f:
         hf = json.load(f)
-    max_model_len = min(hf["max_position_embeddings"], 32768 + 2 * args.max_tokens)
+    max_model_len = (args.max_model_len
+                     or min(hf["max_position_embeddings"], 32768 + 2 * args.max_tokens))
     if args.kv_pool_tokens:
         args.kv_cache_memory_bytes = args.kv_pool_tokens * kv_bytes_per_token(hf)
-    has_tokenizer = os.path.exists(os.path.join(args.model, "tokenizer.json"))
+    has_tokenizer = bool(args.tokenizer) or os.path.exists(
+        os.path.join(args.model, "tokenizer.json"))
+    print(ENGINE_START_MARK, time.time(), flush=True)
     llm = LLM(model=args.model, skip_tokenizer_init=not has_tokenizer, dtype="bfloat16",
               prefill_context_parallel_size=args.pcp, tensor_parallel_size=args.tp,
               enforce_eager=not args.cuda_graphs, max_model_len=max_model_len,
@@ -144,20 +237,27 @@ def main() -> None:
               decode_context_parallel_size=args.dcp,
               cp_kv_cache_interleave_size=args.interleave,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              additional_config=_knobs(args), **_compilation(args))
+              additional_config=_knobs(args), **_compilation(args),
+              **engine_feature_args(args))
     cache = llm.llm_engine.vllm_config.cache_config
     # With DCP one scheduler block spans block_size tokens on each of the DCP ranks.
     kv_capacity_tokens = cache.num_gpu_blocks * cache.block_size * args.dcp
     make_prompt = (text_prompts(llm.get_tokenizer(), args.text_prompts)
                    if args.text_prompts else None)
     cases = build_cases(max_model_len - args.max_tokens - 8, hf["vocab_size"], make_prompt)
-    results = run_cases(llm, cases, args.max_tokens)
+    if args.cases != "standard":  # a group of exactness_features cases instead
+        results = run_feature_group(llm, args.cases, max_model_len - args.max_tokens - 8,
+                                    hf["vocab_size"], args.max_tokens,
+                                    llm.get_tokenizer() if has_tokenizer else None)
+    else:
+        results = (score_cases(llm, cases, continuations) if continuations is not None
+                   else run_cases(llm, cases, args.max_tokens))
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "pcp": args.pcp, "tp": args.tp,
                    "variant": args.variant, "cuda_graphs": args.cuda_graphs,
                    "attention_backend": args.attention_backend, "ray": args.ray,
                    "dcp": args.dcp, "interleave": args.interleave,
-                   "kv_capacity_tokens": kv_capacity_tokens,
+                   "kv_capacity_tokens": kv_capacity_tokens, "teacher": args.teacher,
                    "results": results}, f)
 
 

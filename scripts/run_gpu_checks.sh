@@ -23,6 +23,25 @@
 #   exact-tp-dcp  -tp 2 -dcp 2 (PCP = 1) at interleave 1, 8, 16 and with CUDA graphs
 #              against PCP = 1, the 1-kv-head model, chunked and unchunked prefill
 #              (TP_DCP_CONFIGS picks configurations)
+#   exact-features  the feature cases against PCP=1 on FlashInfer (check_exactness.py
+#              features, scripts/exactness_features.py): n = 4 seeded sampling, a same-step
+#              burst under each pcp_dcp_context_exchange, split prompts of odd and even
+#              lengths, prompt_logprobs, a JSON schema, penalties, fp8 KV (refused with
+#              -dcp), preemption in a 12288-token pool; -pcp 2 and -pcp 2 -dcp 2 (interleave
+#              1, 16), chunked and unchunked, on FEATURE_MODELS (default qwen2.5-3b-shape,
+#              FEATURE_CONFIGS its configurations) and the MoE model qwen3-moe-8e
+#              (FEATURE_MOE_CONFIGS); the sliding-window model mistral-swa512 must be refused
+#              at start-up, error text and seconds to failure recorded (FEATURE_SWA_CONFIGS;
+#              empty: none); FEATURE_TAG suffixes the raw files; OUT_DIR/exactness-features.json
+#              (tests/gpu/results/exactness-features.json) from every raw file of the stage
+#   teacher    teacher-forced exactness: the pcp1 greedy output (256 tokens, chunked) of each
+#              case of the exact-pcp models appended to its prompt and scored with
+#              prompt_logprobs in each configuration; on one GPU the floors only (pcp1,
+#              pcp1-graphs, pcp1-flash-attn), on two also pcp2, pcp2-dcp2-i1, pcp2-dcp2-i16
+#              (GPU_COUNT overrides the count, TEACHER_CONFIGS the configurations,
+#              TEACHER_VARIANTS the variants, default chunked; TEACHER_SOURCE: a raw file
+#              of pcp1 runs whose outputs are scored instead of new ones);
+#              OUT_DIR/exactness-teacher.json (tests/gpu/results/exactness-teacher.json)
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
@@ -48,6 +67,21 @@
 #              configurations (default pcp1,pcp2,pcp2-dcp2); BENCH_PROFILE_STACK=1 records
 #              Python stacks and writes python.json (the attention layer's host time per
 #              Python function) beside steps.json; the other BENCH_* are fixed
+#   kernel-choice  one GPU: FlashInfer's paged and ragged prefill kernels (fa2, fa3, auto)
+#              for one rank's new tokens at -pcp 2 and 4, the K/V gather and copy, the
+#              one-GPU attention (scripts/bench_kernel_choice.py; KERNEL_CHOICE_CASES
+#              overrides its --cases); OUT_DIR/kernel-choice.json
+#   soak       vllm serve under load (scripts/serve_soak.py): -pcp 2 and -pcp 2 -dcp 2
+#              (SOAK_CONFIGS) side by side on both GPUs, 64 streaming clients each,
+#              prompts of 1K to 64K tokens, a tenth cancelled mid-stream, for
+#              SOAK_DURATION_S (default 420 keeps the stage under 10 minutes; a 600 s
+#              soak takes about 13), then greedy texts against a -pcp 1 server's;
+#              MODEL_SOAK (default Qwen2.5-Coder-0.5B, 64K allowed past its 32K);
+#              OUT_DIR/serve-soak.json
+#   faults     bad requests at -pcp 1, -pcp 2, -pcp 2 -dcp 2 (scripts/serve_faults.py,
+#              answers held to -pcp 1's), then at -pcp 2 and -pcp 2 -dcp 2 a worker
+#              killed mid-prefill (FAULTS_CONFIGS picks them); MODEL_FAULTS;
+#              OUT_DIR/serve-faults.json
 # bench: BENCH_CONFIGS, BENCH_PROMPT_LENS, BENCH_PROFILE ("--profile-decode 16": decode steps
 # instead of a 32K prefill; empty: no profile), BENCH_PROFILE_CONFIGS override; BENCH_PARALLEL_ONE_GPU= (empty)
 # runs the one-GPU configurations one after the other (cleaner ITL); BENCH_EAGER= (empty)
@@ -67,6 +101,18 @@ if [ -z "${DATA_GSM8K:-}" ] && [ ! -d "$here/../.gpu/gsm8k" ]; then  # where `st
 fi
 ex() { python3 "$here/check_exactness.py" "$@"; }
 lanes() { ex run --overlap --kv-cache-gib 2 --gpu-memory-utilization 0.05 "$@"; }
+judge() {  # judge NAME LOGS ARGS...: ex ARGS --out WORK/NAME.json --git-rev --command "$what",
+  # NAME.json to OUT_DIR, the tails of WORK/LOGS*.log; the stage's status is the comparison's
+  local name=$1 logs=$2
+  shift 2
+  ex "$@" --out "$work/$name.json" \
+    --git-rev "${GIT_REV:-$(git -C "$here" rev-parse HEAD 2> /dev/null || echo unknown)}" \
+    --command "$what"
+  local rc=$?
+  cp "$work/$name.json" "$out/" 2> /dev/null
+  tail -n 30 "$work/$logs"*.log
+  exit "$rc"
+}
 models=qwen2.5-3b-shape,llama-8kv-hd64,qwen2-mqa-1kv,smollm2
 pack() {  # profiler traces stay behind (too big to return); their tables travel
   tar czf "$out/$stage.tgz" --exclude='*.pt.trace.json*' -C "$(dirname "$work")" "$stage"
@@ -147,6 +193,52 @@ EOF
       --configs "${TP_DCP_CONFIGS:-pcp1,pcp1-graphs,tp2-dcp2-i1,tp2-dcp2-i8,tp2-dcp2-i16,tp2-dcp2-i8-graphs}" \
       --raw "$work/raw-tp-dcp.json" > "$work/tp-dcp.log" 2>&1
     tail -n 30 "$work/tp-dcp.log" ;;
+  exact-features)  # OUT_DIR/exactness-features.json: the feature cases, refusals among them
+    ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
+    features() { ex features run --overlap --kv-cache-gib 2 --gpu-memory-utilization 0.05 "$@"; }
+    moe=${FEATURE_MOE_CONFIGS-pcp1,pcp2,pcp2-dcp2-i1-auto,pcp2-dcp2-i16-auto}
+    swa=${FEATURE_SWA_CONFIGS-pcp1,pcp2,pcp2-dcp2-i1-auto,pcp2-dcp2-i16-auto}
+    if [ -n "${FEATURE_MODELS-qwen2.5-3b-shape}" ]; then
+      features --lanes 6 --one-gpu-lanes 2 --models "${FEATURE_MODELS-qwen2.5-3b-shape}" \
+        --variants chunked,unchunked ${FEATURE_CONFIGS:+--configs "$FEATURE_CONFIGS"} \
+        --raw "$work/raw-features${FEATURE_TAG-}.json" > "$work/features${FEATURE_TAG-}.log" 2>&1 &
+    fi
+    if [ -n "$moe" ]; then
+      features --lanes 2 --one-gpu-lanes 1 --models qwen3-moe-8e --variants chunked,unchunked \
+        --configs "$moe" --raw "$work/raw-features-moe${FEATURE_TAG-}.json" \
+        > "$work/features-moe${FEATURE_TAG-}.log" 2>&1 &
+    fi
+    if [ -n "$swa" ]; then  # refusals: no case runs
+      features --lanes 1 --models mistral-swa512 --variants unchunked --configs "$swa" \
+        --raw "$work/raw-features-swa${FEATURE_TAG-}.json" \
+        > "$work/features-swa${FEATURE_TAG-}.log" 2>&1 &
+    fi
+    wait
+    what="scripts/run_gpu_checks.sh exact-features: check_exactness.py features run --overlap"
+    what+=" --kv-cache-gib 2 (${FEATURE_MODELS-qwen2.5-3b-shape}: ${FEATURE_CONFIGS:-the default"
+    what+=" configurations}, chunked and unchunked; qwen3-moe-8e: $moe, chunked and unchunked;"
+    what+=" mistral-swa512: $swa, unchunked), features compare"
+    judge exactness-features features features compare --raw "$work"/raw-features*.json ;;
+  teacher)  # OUT_DIR/exactness-teacher.json: per-case max / p99, one-GPU floors, the goal
+    ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
+    gpus=${GPU_COUNT:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+    configs=pcp1,pcp1-graphs,pcp1-flash-attn
+    if [ "$gpus" -ge 2 ]; then configs=$configs,pcp2,pcp2-dcp2-i1,pcp2-dcp2-i16; fi
+    configs=${TEACHER_CONFIGS:-$configs} variants=${TEACHER_VARIANTS:-chunked}
+    continuations=${TEACHER_SOURCE:-$work/raw-teacher-gen.json}
+    if [ -z "${TEACHER_SOURCE:-}" ]; then  # pcp1's greedy outputs
+      lanes --lanes 1 --one-gpu-lanes 4 --variants chunked --max-tokens 256 \
+        --models "$models" --configs pcp1 --raw "$continuations" > "$work/teacher-gen.log" 2>&1
+    fi
+    lanes --lanes 4 --one-gpu-lanes 4 --variants "$variants" --max-tokens 256 \
+      --models "$models" --configs "$configs" --teacher "$continuations" \
+      --raw "$work/raw-teacher.json" > "$work/teacher.log" 2>&1
+    what="scripts/run_gpu_checks.sh teacher on $gpus GPUs: check_exactness.py"
+    if [ -n "${TEACHER_SOURCE:-}" ]; then what+=" (the pcp1 outputs of $TEACHER_SOURCE)"
+    else what+=" run --configs pcp1 --variants chunked --max-tokens 256,"; fi
+    what+=" run --teacher --configs $configs --variants $variants --max-tokens 256"
+    what+=" (both --overlap --kv-cache-gib 2), teacher"
+    judge exactness-teacher teacher teacher --raw "$work/raw-teacher.json" ;;
   bench|bench-chunked)
     if [ "$stage" = bench-chunked ]; then  # ttft-chunked.json, itl.json, mixed-step profiles
       BENCH_EAGER= BENCH_CHUNK=8192 BENCH_PARALLEL_ONE_GPU= BENCH_PROMPT_LENS=32768
@@ -195,6 +287,12 @@ EOF
         > "$work/$config${SERVE_TAG-}.log" 2>&1
       echo "$config rc=$?"
     done ;;
+  kernel-choice)  # one GPU, 2.5 to 3 minutes on a fresh host (FlashInfer's compiles included)
+    python3 "$here/bench_kernel_choice.py" --out "$work/kernel-choice.json" \
+      ${KERNEL_CHOICE_CASES:+--cases "$KERNEL_CHOICE_CASES"} 2>&1 | tee "$work/kernel-choice.log"
+    rc=${PIPESTATUS[0]}
+    [ -f "$work/kernel-choice.json" ] && cp "$work/kernel-choice.json" "$out/kernel-choice.json"
+    exit "$rc" ;;
   serve)
     if ls "$here"/../.gpu/extra/*.whl > /dev/null 2>&1; then  # lm-eval[api] needs tenacity
       python3 -m pip install -q --no-index --no-deps --target /tmp/site "$here"/../.gpu/extra/*.whl
@@ -222,6 +320,75 @@ EOF
     wait "$chat"; rc=$?  # the stage fails when the chat or abort check does
     wait
     for log in "$work"/gsm8k-*.log; do [ -e "$log" ] && tail -n 3 "$log"; done
+    exit "$rc" ;;
+  soak)  # the -pcp 1 reference answers while the soak servers start; soaks side by side
+    model=${MODEL_SOAK:-/tmp/models/qwen2.5-coder-0.5b}
+    export VLLM_ALLOW_LONG_MAX_MODEL_LEN=1  # 64K prompts are load here; texts stay short
+    soak_flags=(--enforce-eager --gpu-memory-utilization 0.1 --attention-backend FLASHINFER
+                --seed 0 --max-model-len 65792 --max-num-seqs 64)
+    soak_one() {  # NAME PORT MODE KV_GIB [vllm serve flags]: a server, serve_soak.py MODE
+      local name=$1 port=$2 mode=$3 kv_gib=$4; shift 4
+      ( . "$here/serve_lib.sh"  # a subshell each: its own $server and EXIT trap
+        serve_until_healthy "$port" "$work/$name-server.log" 900 "$model" "${soak_flags[@]}" \
+          --kv-cache-memory-bytes $((kv_gib << 30)) "$@"
+        python3 "$here/serve_soak.py" "$mode" --port "$port" --model "$model" --name "$name" \
+          --server-pid "$server" --server-command "vllm serve $model ${soak_flags[*]} $*" \
+          --reference "$work/soak-pcp1.json" --reference-wait-s 60 \
+          --duration-s "${SOAK_DURATION_S:-420}" --request-timeout-s 120 \
+          --out "$work/soak-$name.json"
+      ) > "$work/soak-$name.log" 2>&1
+    }
+    soak_one pcp1 8301 reference 2 --prefill-context-parallel-size 1 &
+    results=()
+    for config in ${SOAK_CONFIGS:-pcp2 pcp2-dcp2}; do
+      case $config in
+        pcp2) soak_one pcp2 8302 soak 16 --prefill-context-parallel-size 2 & ;;
+        pcp2-dcp2) soak_one pcp2-dcp2 8303 soak 16 --prefill-context-parallel-size 2 \
+          --decode-context-parallel-size 2 & ;;
+      esac
+      results+=("$work/soak-$config.json")
+    done
+    wait
+    python3 "$here/serve_soak.py" merge "${results[@]}" --out "$work/serve-soak.json"
+    rc=$?
+    cp "$work/serve-soak.json" "$out/serve-soak.json"
+    exit "$rc" ;;
+  faults)  # -pcp 1 answers the bad requests the others are held to; a dead rank last
+    model=${MODEL_FAULTS:-/tmp/models/qwen2.5-coder-0.5b}
+    # 512 tokens a step: the dead rank's 30,000-token prompt prefills over 59 steps
+    faults_flags=(--enforce-eager --gpu-memory-utilization 0.1 --kv-cache-memory-bytes
+                  $((4 << 30)) --attention-backend FLASHINFER --seed 0 --max-model-len 32768
+                  --max-num-seqs 16 --max-num-batched-tokens 512 --enable-log-requests)
+    faults_one() {  # NAME PORT [vllm serve flags]: bad requests, then (not pcp1) a dead rank
+      local name=$1 port=$2; shift 2
+      ( . "$here/serve_lib.sh"
+        serve_until_healthy "$port" "$work/$name-server.log" 900 "$model" \
+          "${faults_flags[@]}" "$@"
+        held_to=()
+        [ "$name" = pcp1 ] || held_to=(--reference "$work/faults-pcp1.json")
+        python3 "$here/serve_faults.py" requests --port "$port" --model "$model" \
+          --name "$name" --max-num-seqs 16 "${held_to[@]}" --reference-wait-s 120 \
+          --out "$work/faults-$name.json"
+        [ "$name" = pcp1 ] || python3 "$here/serve_faults.py" dead-rank --port "$port" \
+          --model "$model" --name "$name" --server-pid "$server" \
+          --server-log "$work/$name-server.log" --out "$work/dead-rank-$name.json"
+      ) > "$work/faults-$name.log" 2>&1
+    }
+    split=(--additional-config '{"pcp_min_split_tokens": 2}')  # the 1-token prompt too
+    faults_one pcp1 8401 --prefill-context-parallel-size 1 &
+    results=("$work/faults-pcp1.json")
+    for config in ${FAULTS_CONFIGS:-pcp2 pcp2-dcp2}; do
+      case $config in
+        pcp2) faults_one pcp2 8402 --prefill-context-parallel-size 2 "${split[@]}" & ;;
+        pcp2-dcp2) faults_one pcp2-dcp2 8403 --prefill-context-parallel-size 2 \
+          --decode-context-parallel-size 2 "${split[@]}" & ;;
+      esac
+      results+=("$work/faults-$config.json" "$work/dead-rank-$config.json")
+    done
+    wait
+    python3 "$here/serve_faults.py" merge "${results[@]}" --out "$work/serve-faults.json"
+    rc=$?
+    cp "$work/serve-faults.json" "$out/serve-faults.json"
     exit "$rc" ;;
   *) echo "unknown stage $stage" >&2; trap - EXIT; exit 2 ;;
 esac

@@ -1,0 +1,119 @@
+"""The teacher-forced measure of check_exactness.py: ``run --teacher`` (the worker
+flags of :func:`_teacher_args`) and ``teacher`` (exactness-teacher.json from its raw
+files). The shared helpers of check_exactness.py (BASELINE, _load_runs, _meta) are
+imported where they are used: check_exactness.py imports this module."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from exactness_lib import abs_logprob_diffs, diff_stats, teacher_goal
+
+# Teacher-forced floors: one GPU against itself, configuration -> its baseline.
+TEACHER_FLOORS = {"pcp1-graphs": "pcp1", "pcp1-flash-attn": "pcp1"}
+# The goal: at most this many times the larger floor, at max and at p99.
+TEACHER_GOALS = {"pcp2": 1.0, "pcp2-dcp2-i1": 1.5, "pcp2-dcp2-i16": 1.5}
+TEACHER_MEASURE = ("teacher-forced: the pcp1 greedy output of each prompt (chunked, eager) "
+                   "appended to it and scored with prompt_logprobs=0; per case, over the "
+                   "continuation positions of its prompts, |logprob of the given token - the "
+                   "baseline's|: max, p99 (linear interpolation), positions over 1.0")
+
+
+def _teacher_args(args, model: str) -> list[str]:
+    """Worker flags of ``run --teacher RAW``: score RAW's continuations of ``model``."""
+    teacher = getattr(args, "teacher", "")
+    return ["--teacher", os.path.abspath(teacher), "--teacher-model", model] if teacher else []
+
+
+def _teacher_base(config: str) -> str | None:
+    from check_exactness import BASELINE
+
+    return TEACHER_FLOORS.get(config) or BASELINE.get(config)
+
+
+def _teacher_case_rows(model: str, label: str, run: dict, base: dict) -> tuple[list, list]:
+    """One row per scored case of ``run`` against the same case of ``base``, and each
+    case's |logprob differences| (None where the two cannot be compared)."""
+    rows, diffs = [], []
+    base_cases = {res["case"]: res for res in base["results"]}
+    for res in run["results"]:
+        row = {"model": model, "config": label, "case": res["case"],
+               "prompt_lens": res["prompt_lens"]}
+        try:
+            if res["case"] not in base_cases:
+                raise ValueError("the baseline did not score this case")
+            case_diffs = abs_logprob_diffs(res["scores"], base_cases[res["case"]]["scores"])
+        except ValueError as exc:
+            rows.append({**row, "error": str(exc)})
+            diffs.append(None)
+            continue
+        rows.append({**row, **diff_stats(case_diffs)})
+        diffs.append(case_diffs)
+    return rows, diffs
+
+
+def _teacher_rows(runs: dict) -> tuple[list, list, dict]:
+    """Rows of every configuration against its baseline, rows of the floors, and per
+    configuration the differences of each of its cases (None: a run or case failed)."""
+    rows, floor_rows, pooled = [], [], {}
+    for (model, variant, config), run in sorted(runs.items()):
+        base_config = _teacher_base(config)
+        base = runs.get((model, variant, base_config or ""))
+        if base is None:
+            continue
+        label = f"{config} vs {base_config}, {variant}"
+        if run["returncode"] or base["returncode"]:
+            failed = run if run["returncode"] else base
+            new, diffs = [{"model": model, "config": label, "case": "engine",
+                           "prompt_lens": [], "errors": failed.get("errors", []),
+                           "error": failed.get("log_tail", "")[-1500:]}], [None]
+        else:
+            new, diffs = _teacher_case_rows(model, label, run, base)
+        (floor_rows if config in TEACHER_FLOORS else rows).extend(new)
+        pooled.setdefault(config, []).extend(diffs)
+    return rows, floor_rows, pooled
+
+
+def _pooled_stats(case_diffs: list) -> dict | None:
+    """:func:`exactness_lib.diff_stats` over all positions of a configuration's cases;
+    None if one of them failed."""
+    if any(d is None for d in case_diffs):
+        return None
+    return {"cases": len(case_diffs), **diff_stats(np.concatenate(case_diffs))}
+
+
+def _teacher_summary(pooled: dict) -> dict:
+    """Per configuration its pooled stats (None: failed), the floors apart, and the goal."""
+    stats = {config: _pooled_stats(diffs) for config, diffs in pooled.items()}
+    measured = {c: s for c, s in stats.items() if c not in TEACHER_FLOORS}
+    return {"noise_floor": {f"{c} vs {TEACHER_FLOORS[c]}": stats[c]
+                            for c in TEACHER_FLOORS if c in stats},
+            "configs": {f"{c} vs {_teacher_base(c)}": s for c, s in measured.items()},
+            "goal": teacher_goal({c: stats.get(c) for c in TEACHER_FLOORS}, measured,
+                                 TEACHER_GOALS)}
+
+
+def teacher(args) -> None:
+    """exactness-teacher.json from raw files of ``run --teacher``: per case the teacher-forced
+    differences against the one-GPU scoring, the one-GPU floors, and the goal."""
+    from check_exactness import _load_runs, _meta
+
+    runs, host = _load_runs(args.raw)
+    rows, floor_rows, pooled = _teacher_rows(runs)
+    summary = _teacher_summary(pooled)
+    result = {"meta": {**_meta(args, host), "measure": TEACHER_MEASURE}, "summary": summary,
+              "cases": rows, "noise_floor_cases": floor_rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(summary))
+
+
+def add_teacher_parser(sub) -> None:
+    """``teacher``: exactness-teacher.json from raw files of ``run --teacher``."""
+    from check_exactness import add_result_args
+
+    t = sub.add_parser("teacher", help="exactness-teacher.json from raw files of run --teacher")
+    add_result_args(t)
+    t.add_argument("--date", default="", help="date of the GPU run (default: today)")
