@@ -101,7 +101,8 @@ snapshot_to() {  # DIR: the work files so far, replacing DIR/snapshot.tgz whole
 }
 
 watch() {  # OUT_DIR [SECS]
-  local end=$((SECONDS + ${2:-540})) every=${WATCH_EVERY_S:-30}
+  # SECONDS counts whole seconds of the wall clock: one more keeps at least SECS
+  local end=$((SECONDS + ${2:-540} + 1)) every=${WATCH_EVERY_S:-30}
   while :; do
     grep -q . "$progress" 2>/dev/null ||
       { echo "watch: no sitting on this host (empty $progress): a fresh host?"; return 3; }
