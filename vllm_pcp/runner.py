@@ -274,19 +274,21 @@ class PCPModelRunner(GPUModelRunner):
             attn_metadata = self._no_rows_metadata(exchange)
         else:
             attn_metadata = self._local_rows_metadata(plan, slot_mappings, exchange)
-        slot_by_layer = {name: slots_gathered[gid]
-                         for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups)
-                         for attn_group in self.attn_groups[gid]
-                         for name in attn_group.layer_names}
+        slot_by_layer = {name: slots_gathered[gid] for gid, name in self._layer_names()}
         self._pcp_step = _PCPStep(plan.model_input_indices.to(dev, non_blocking=True),
                                   plan.restore_indices.to(dev, non_blocking=True),
                                   plan.num_padded_tokens_per_rank, slot_by_layer)
         return attn_metadata
 
+    def _layer_names(self):
+        """``(kv cache group, layer name)`` of every attention layer."""
+        for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
+            for attn_group in self.attn_groups[gid]:
+                for name in attn_group.layer_names:
+                    yield gid, name
+
     def _no_rows_metadata(self, exchange: PCPKVExchange) -> dict:
-        return {name: PCPNoRowsMetadata(exchange)
-                for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups)
-                for attn_group in self.attn_groups[gid] for name in attn_group.layer_names}
+        return {name: PCPNoRowsMetadata(exchange) for _, name in self._layer_names()}
 
     def _local_rows_metadata(self, plan: PrefillContextParallelMetadata,
                              slot_mappings: dict[int, torch.Tensor],
