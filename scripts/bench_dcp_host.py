@@ -5,7 +5,7 @@
 A step is planned as the engine plans it (``build_dcp_plan`` on rank 0 of 2, the
 Qwen2.5-3B shape: 16 query / 2 kv heads, head_dim 128) and one layer's plugin
 work runs on PyTorch's meta device: the context read, the K/V exchange's buffer
-(:func:`vllm_pcp.exchange.gather_kv`) and :meth:`DCPAttention.run`. FlashInfer's
+(:func:`vllm_pcp.pcp.exchange.gather_kv`) and :meth:`DCPAttention.run`. FlashInfer's
 wrappers and merges and the process group are stand-ins that only return
 tensors of the right shape, so what is left is the plugin's own per-layer host
 work: the aten ops it dispatches, ``kernel_ops`` of them leaving out views and
@@ -135,9 +135,9 @@ def _steps() -> dict[str, tuple[list[int], list[int], list[int]]]:
 def _layer(step: str, exchange: str, interleave: int):
     """A planned DCPAttention and a function running one layer's plugin work."""
     import vllm.v1.attention.backends.flashinfer  # noqa: F401  (before the stand-ins)
-    from vllm_pcp.dcp_attention import DCPAttention
-    from vllm_pcp.dcp_plan import build_dcp_plan
-    from vllm_pcp.exchange import gather_kv
+    from vllm_pcp.dcp.attention import DCPAttention
+    from vllm_pcp.dcp.plan import build_dcp_plan
+    from vllm_pcp.pcp.exchange import gather_kv
 
     computed, scheduled, prompts = _steps()[step]
     hq, hkv, dim = HEADS

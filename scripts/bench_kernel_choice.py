@@ -4,7 +4,7 @@
 
 One attention layer of the Qwen2.5-3B shape (16 query heads, 2 kv heads, head_dim 128,
 bf16, page size 16) on an unchunked prompt with no context, split as ``-pcp N`` splits
-it (DualChunkSwap, :mod:`vllm_pcp.partition`): 2N chunks, rank r owns chunks r and
+it (DualChunkSwap, :mod:`vllm_pcp.pcp.partition`): 2N chunks, rank r owns chunks r and
 2N-1-r, each a row attending causally (bottom-right) to its request's first ``seq_len``
 tokens. Per case ``NxP`` (N ranks, a P-token prompt) and rank, rows of the output:
 

@@ -12,12 +12,12 @@ import sys
 import torch
 
 from helpers import ThreadGroup
-from vllm_pcp.dcp_attention import DCPAttention
-from vllm_pcp.dcp_plan import build_dcp_plan
-from vllm_pcp.exchange import gather_kv, restore_hidden_states
-from vllm_pcp.kv_shard import dcp_local_offset, dcp_local_seq_len, dcp_owner
-from vllm_pcp.partition import build_pcp_metadata_all_ranks
-from vllm_pcp.reference import causal_attention
+from vllm_pcp.dcp.attention import DCPAttention
+from vllm_pcp.dcp.plan import build_dcp_plan
+from vllm_pcp.pcp.exchange import gather_kv, restore_hidden_states
+from vllm_pcp.dcp.layout import dcp_local_offset, dcp_local_seq_len, dcp_owner
+from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
+from reference import causal_attention
 
 COMPUTED = [0, 37, 0, 5, 0, 60, 21, 300]
 SCHEDULED = [2, 90, 1, 200, 13, 1, 3, 64]

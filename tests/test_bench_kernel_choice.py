@@ -1,5 +1,5 @@
 """scripts/bench_kernel_choice.py without a GPU: the rank rows it times are the plugin's
-(vllm_pcp.partition), its paged and ragged layouts read the right keys, and its summary
+(vllm_pcp.pcp.partition), its paged and ragged layouts read the right keys, and its summary
 and output file have their shape on made-up timings; its run_gpu_checks.sh stage."""
 import json
 import os
@@ -15,7 +15,7 @@ sys.path.insert(0, SCRIPTS)
 import bench_kernel_choice as bench  # noqa: E402
 import kernel_choice_lib  # noqa: E402
 
-from vllm_pcp.partition import build_pcp_metadata  # noqa: E402
+from vllm_pcp.pcp.partition import build_pcp_metadata  # noqa: E402
 
 ROW_KEYS = {"N", "prompt_len", "rank", "kernel", "backend", "median_ms", "p10_ms", "p90_ms",
             "exact"}

@@ -15,8 +15,8 @@ import vllm.v1.attention.backends.flashinfer  # noqa: F401  (imported before the
 
 from dcp_harness import (COMPUTED, SCHEDULED, ZERO_TOKEN_STEPS, ranks_without_tokens,
                          run_dcp_step, short_split_step)
-from vllm_pcp import reference
-from vllm_pcp.dcp_plan import build_dcp_plan
+import reference
+from vllm_pcp.dcp.plan import build_dcp_plan
 
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -237,7 +237,7 @@ def test_decode_steps_attend_the_shard_once(float32_flashinfer, world, interleav
                                            scheduled):
     """One paged call per rank with the new token in its owner's shard, one packed
     all-gather, one merge: the same output as one process, on every rank."""
-    from vllm_pcp.dcp_plan import build_dcp_plan
+    from vllm_pcp.dcp.plan import build_dcp_plan
 
     assert build_dcp_plan(computed, scheduled, world, 0, interleave).decode is not None
     outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.float32,
@@ -305,11 +305,11 @@ def test_context_rows_ride_in_the_kv_exchange_from_both_cache_layouts(float32_fl
     all-gather returns each rank's block as ``[P new rows | Pc context rows]``."""
     from dcp_harness import _paged_shard, make_batch
     from helpers import ThreadGroup
-    from vllm_pcp.dcp_attention import DCPAttention
-    from vllm_pcp.dcp_index import context_slots
-    from vllm_pcp.dcp_plan import build_dcp_plan
-    from vllm_pcp.exchange import gather_kv
-    from vllm_pcp.kv_shard import dcp_owner
+    from vllm_pcp.dcp.attention import DCPAttention
+    from vllm_pcp.dcp.index import context_slots
+    from vllm_pcp.dcp.plan import build_dcp_plan
+    from vllm_pcp.pcp.exchange import gather_kv
+    from vllm_pcp.dcp.layout import dcp_owner
 
     computed, scheduled, page_size = [300, 0, 45], [64, 7, 30], 16
     full, _ = make_batch(8, 2, 16, 0, computed, scheduled)
@@ -368,7 +368,7 @@ ZERO_TOKEN_CASES = [(world, *step) for world, steps in ZERO_TOKEN_STEPS.items()
 
 def ranks_without_split_tokens(computed, scheduled, world, min_split=2):
     """Ranks of N = ``world`` whose local tokens are the replicated ones alone."""
-    from vllm_pcp.partition import build_pcp_metadata_all_ranks, split_requests
+    from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks, split_requests
 
     split = split_requests(scheduled, min_split)
     replicated = sum(n for n, is_split in zip(scheduled, split) if not is_split)
@@ -424,7 +424,7 @@ def test_short_split_chunks_at_three_and_eight_ranks(float32_flashinfer, world, 
                                                      (8, 1, True), (8, 8, False)])
 def test_decode_steps_at_three_and_eight_ranks(float32_flashinfer, world, interleave, folded):
     """Folded (every rank stores a token of every request) and replicated decodes."""
-    from vllm_pcp.dcp_plan import build_dcp_plan
+    from vllm_pcp.dcp.plan import build_dcp_plan
 
     computed, scheduled = FOLDED_DECODES[0]
     plan = build_dcp_plan(computed, scheduled, world, 0, interleave)

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_pcp.dcp_plan import build_dcp_plan
-from vllm_pcp.kv_shard import dcp_local_seq_len
+from vllm_pcp.dcp.plan import build_dcp_plan
+from vllm_pcp.dcp.layout import dcp_local_seq_len
 
 COMPUTED = [0, 37, 0, 5, 60, 21, 300]
 SCHEDULED = [2, 90, 1, 200, 1, 3, 64]
@@ -49,7 +49,7 @@ def test_new_part_reads_the_steps_tokens_up_to_each_row_end():
 
 
 def test_paged_kv_layout_lists_each_rows_pages():
-    from vllm_pcp.dcp_index import kept_rows, paged_kv_layout, positions_in
+    from vllm_pcp.dcp.index import kept_rows, paged_kv_layout, positions_in
 
     table = torch.tensor([[7, 8, 9], [3, 4, 5]], dtype=torch.int32)
     indptr, indices, last = paged_kv_layout(torch.tensor([17, 16]), table, 16)
@@ -67,7 +67,7 @@ def test_paged_kv_layout_lists_each_rows_pages():
     ([0, 2, 3], None), ([3, 2, 1], None), ([1, 1, 2], None), ([], None),
     ([0, 2, 1, 3], None), ([5, 5, 7], None)])  # first and last as a run's, but not one
 def test_rows_index_is_a_slice_only_for_one_run_of_rows(rows, expect):
-    from vllm_pcp.dcp_index import rows_index
+    from vllm_pcp.dcp.index import rows_index
 
     got = rows_index(torch.tensor(rows, dtype=torch.int64), "cpu")
     if expect is not None:
@@ -82,7 +82,7 @@ def test_a_mixed_step_reads_its_decode_rows_as_one_run():
     """Decodes first (vLLM's order), then a split chunk: the replicated rows, the
     decode call's queries and its partials are each one run of rows, so the layers
     read and write them as views (no gather or scatter kernels per layer)."""
-    from vllm_pcp.dcp_index import positions_in, rows_index
+    from vllm_pcp.dcp.index import positions_in, rows_index
 
     for context_exchange in ("keys", "queries"):
         plan = build_dcp_plan([9000, 9001, 9002, 8192], [1, 1, 1, 8000], 2, 1, 8,
@@ -128,7 +128,7 @@ def test_steps_that_cannot_fold_keep_the_general_plan(computed, scheduled):
 def test_fetched_context_rows_rebuild_each_context_in_order(world, interleave):
     """Each rank sends its shard's context tokens, request after request, padded to Pc;
     a split row's keys are then its whole context in order, then its new tokens."""
-    from vllm_pcp.kv_shard import dcp_local_offset, dcp_owner
+    from vllm_pcp.dcp.layout import dcp_local_offset, dcp_owner
 
     plans = [build_dcp_plan(COMPUTED, SCHEDULED, world, r, interleave, min_split_tokens=8,
                             context_exchange="keys") for r in range(world)]
@@ -185,7 +185,7 @@ def test_gathered_index_reads_the_exchange_buffer_as_the_step_index_reads_step_o
     context rows it stores) through the real K/V exchange; the buffer read at
     ``new_kv_gathered_index`` must give ``new_kv_token_index``."""
     from helpers import ThreadGroup
-    from vllm_pcp.exchange import gather_kv
+    from vllm_pcp.pcp.exchange import gather_kv
 
     computed, scheduled = [300, 0, 45, 7], [64, 7, 30, 1]
     num_tokens = sum(scheduled)

@@ -1,10 +1,10 @@
 """Without CP vs with CP, on gloo: the whole PCP data path in plain torch.
 
 Each rank partitions a random batch, computes K/V for its own tokens only,
-exchanges them with :func:`vllm_pcp.exchange.gather_kv`, writes the kept rows
+exchanges them with :func:`vllm_pcp.pcp.exchange.gather_kv`, writes the kept rows
 into a per-request KV store (as the cache write does), attends with the
 reference kernel, and restores the outputs with
-:func:`vllm_pcp.exchange.restore_hidden_states`. The result must equal full
+:func:`vllm_pcp.pcp.exchange.restore_hidden_states`. The result must equal full
 causal attention on one process. DCP-sharded decode plus the LSE combine must
 equal full decode attention.
 """
@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vllm_pcp.dcp_plan import build_dcp_plan
-from vllm_pcp.exchange import gather_kv, restore_hidden_states
-from vllm_pcp.kv_shard import dcp_local_offset, dcp_owner
-from vllm_pcp.partition import build_pcp_metadata
-from vllm_pcp.reference import (causal_attention, dcp_partial_decode, merge_states,
+from vllm_pcp.dcp.plan import build_dcp_plan
+from vllm_pcp.pcp.exchange import gather_kv, restore_hidden_states
+from vllm_pcp.dcp.layout import dcp_local_offset, dcp_owner
+from vllm_pcp.pcp.partition import build_pcp_metadata
+from reference import (causal_attention, dcp_partial_decode, merge_states,
                                 pcp_dcp_rank_attention, rank_prefill_attention)
 
 HEAD_LAYOUTS = [(16, 2), (8, 1)]

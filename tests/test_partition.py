@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_pcp.partition import build_pcp_metadata, split_requests
+from vllm_pcp.pcp.partition import build_pcp_metadata, split_requests
 
 
 def _random_batch(rng, max_len=5000, max_reqs=6):

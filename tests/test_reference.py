@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from vllm_pcp.kv_shard import dcp_local_offset, dcp_local_seq_len, dcp_owner
-from vllm_pcp.reference import (causal_attention, dcp_partial_decode, merge_state,
+from vllm_pcp.dcp.layout import dcp_local_offset, dcp_local_seq_len, dcp_owner
+from reference import (causal_attention, dcp_partial_decode, merge_state,
                                 merge_states)
 
 

@@ -16,8 +16,8 @@ import vllm_pcp.backend as backend_mod
 import vllm_pcp.runner as runner_mod
 from helpers import ThreadGroup
 from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder, PCPKVExchange
-from vllm_pcp.exchange import gathered_slot_mapping
-from vllm_pcp.partition import build_pcp_metadata
+from vllm_pcp.pcp.exchange import gathered_slot_mapping
+from vllm_pcp.pcp.partition import build_pcp_metadata
 from vllm_pcp.runner import PCPModelRunner
 
 COMPUTED = [30, 0, 0, 12]
@@ -448,7 +448,7 @@ def test_dcp_forward_runs_the_planned_attention(monkeypatch):
 
 
 def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
-    import vllm_pcp.dcp_attention as dcp_mod
+    import vllm_pcp.dcp.attention as dcp_mod
 
     made = []
 
@@ -560,7 +560,7 @@ def test_row_buffers_hold_two_rows_per_request():
     from vllm.v1.utils import CpuGpuBuffer
 
     from vllm_pcp.backend import grow_row_buffers
-    from vllm_pcp.partition import build_pcp_metadata
+    from vllm_pcp.pcp.partition import build_pcp_metadata
 
     builder = object.__new__(PCPFlashInferMetadataBuilder)
     builder.pin_memory = False

@@ -22,12 +22,12 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from helpers import ThreadGroup
 from test_dcp_attention_cpu import float32_flashinfer  # noqa: F401  (fixture)
 from test_runner_cpu import _make_runner
-from vllm_pcp.dcp_attention import DCPAttention
-from vllm_pcp.dcp_plan import build_dcp_plan
-from vllm_pcp.dcp_prefix import context_written_in_step
-from vllm_pcp.exchange import gather_kv, restore_hidden_states
-from vllm_pcp.kv_shard import dcp_local_offset, dcp_owner
-from vllm_pcp.reference import causal_attention
+from vllm_pcp.dcp.attention import DCPAttention
+from vllm_pcp.dcp.plan import build_dcp_plan
+from vllm_pcp.dcp.prefix import context_written_in_step
+from vllm_pcp.pcp.exchange import gather_kv, restore_hidden_states
+from vllm_pcp.dcp.layout import dcp_local_offset, dcp_owner
+from reference import causal_attention
 
 HQ, HKV, DIM, PAGE = 8, 2, 16, 8
 

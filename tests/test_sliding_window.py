@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_pcp.partition import build_pcp_metadata_all_ranks
+from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
 
 WINDOW = 16  # tokens: FlashInfer's window_left is WINDOW - 1
 

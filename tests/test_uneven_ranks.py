@@ -29,7 +29,7 @@ import vllm_pcp.runner as runner_mod
 from helpers import ThreadGroup
 from test_runner_cpu import _make_runner
 from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder, PCPNoRowsMetadata
-from vllm_pcp.partition import build_pcp_metadata
+from vllm_pcp.pcp.partition import build_pcp_metadata
 
 ZERO_TOKEN_STEPS = {  # (computed, scheduled): some rank gets no local token
     3: ([40], [2]), 4: ([16384], [2]), 8: ([70], [5])}

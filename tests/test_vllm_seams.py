@@ -16,7 +16,7 @@ from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMeta
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_pcp import patch_platform_config
+from vllm_pcp.patches import platform_config as patch_platform_config
 
 
 def _params(fn):
@@ -122,7 +122,7 @@ def test_patched_model_config_check_has_the_0_26_shape():
 def test_model_config_wrapper_hides_dcp_only_when_it_spans_pcp():
     from types import SimpleNamespace
 
-    from vllm_pcp import patch_model_config_dcp
+    from vllm_pcp.patches import model_config_dcp as patch_model_config_dcp
 
     seen = []
 
@@ -157,7 +157,7 @@ def test_register_wraps_the_v2_model_runner_choice():
     from vllm.config.vllm import VllmConfig
 
     import vllm_pcp
-    from vllm_pcp import patch_v2_model_runner
+    from vllm_pcp.patches import v2_model_runner as patch_v2_model_runner
 
     vllm_pcp.register()
     method = VllmConfig._get_v2_model_runner_unsupported_features
@@ -167,7 +167,7 @@ def test_register_wraps_the_v2_model_runner_choice():
 def test_v2_model_runner_is_refused_only_where_the_plugin_runs_pcp1():
     from types import SimpleNamespace
 
-    from vllm_pcp import patch_v2_model_runner
+    from vllm_pcp.patches import v2_model_runner as patch_v2_model_runner
 
     class FakeVllmConfig:
         def __init__(self, pcp, dcp, backend, use_mla=False):

@@ -32,13 +32,9 @@ def register() -> None:
         return
     _registered = True
     from vllm.logger import init_logger
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from vllm_pcp import patch_model_config_dcp, patch_platform_config, patch_v2_model_runner
+    from vllm_pcp.patches import apply_all
 
-    register_backend(AttentionBackendEnum.FLASHINFER, "vllm_pcp.backend.PCPFlashInferBackend")
-    patch_platform_config.apply()
-    patch_model_config_dcp.apply()
-    patch_v2_model_runner.apply()
+    apply_all()
     init_logger("vllm.vllm_pcp").info(
         "vllm-pcp %s registered: FLASHINFER backend with PCP support", __version__)

@@ -9,7 +9,7 @@ split chunks fetch, ``N * Pc``), write them into this rank's paged cache
 DCP = 1 attention is FlashInfer's own: each local chunk attends causally over
 the paged cache, and the bottom-right causal mask places the chunk at its
 absolute offset. With DCP == PCP the cache holds a shard only, and
-:mod:`vllm_pcp.dcp_attention` runs the step; so it does for DCP inside TP at
+:mod:`vllm_pcp.dcp.attention` runs the step; so it does for DCP inside TP at
 PCP = 1 (``-tp N -dcp N`` with FLASHINFER named), whose ranks hold every token
 and their own query heads.
 Steps without split prefills at DCP = 1, and PCP = 1 without DCP, run exactly
@@ -26,7 +26,7 @@ from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
 from vllm.v1.attention.backends.flashinfer import (FlashInferBackend, FlashInferImpl,
                                                    FlashInferMetadataBuilder)
 
-from vllm_pcp.exchange import gather_kv
+from vllm_pcp.pcp.exchange import gather_kv
 
 
 @dataclass
@@ -52,7 +52,7 @@ class PCPKVExchange:
 class PCPDCPMetadata:
     """Attention metadata of a PCP x DCP step (replaces FlashInferMetadata)."""
 
-    attention: object  # vllm_pcp.dcp_attention.DCPAttention, planned for the step
+    attention: object  # vllm_pcp.dcp.attention.DCPAttention, planned for the step
     group: object  # vLLM GroupCoordinator of the DCP ranks (= the PCP ranks at PCP > 1)
     pcp_exchange: PCPKVExchange | None  # None on a decode step: stock cache write
     num_local_tokens: int
@@ -168,7 +168,7 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         if self._dcp_attention is None:
             from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
-            from vllm_pcp.dcp_attention import DCPAttention
+            from vllm_pcp.dcp.attention import DCPAttention
 
             # DCP inside TP gathers the query heads of the DCP group
             heads = self.num_qo_heads * (self.dcp_world_size if _heads_gathered(self) else 1)

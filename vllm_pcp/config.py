@@ -29,9 +29,9 @@ class PCPKnobs:
         earlier steps stored on other ranks (``pcp_dcp_context_exchange``):
         ``"queries"`` all-gathers its queries and sends partial outputs back,
         ``"keys"`` all-gathers the context K/V, ``"auto"`` (default) whichever moves
-        fewer bytes in that step (:mod:`vllm_pcp.dcp_plan`). A chunk whose context
+        fewer bytes in that step (:mod:`vllm_pcp.dcp.plan`). A chunk whose context
         another request writes in the same step (a prefix hit on its blocks) sends
-        its queries under every value (:mod:`vllm_pcp.dcp_prefix`).
+        its queries under every value (:mod:`vllm_pcp.dcp.prefix`).
     """
 
     min_split_tokens: int | None = None
@@ -59,7 +59,7 @@ class PCPKnobs:
 
 
 _KNOBS = ("pcp_min_split_tokens", "pcp_dcp_context_exchange")
-# how split chunks reach the context stored on other DCP ranks (vllm_pcp.dcp_plan)
+# how split chunks reach the context stored on other DCP ranks (vllm_pcp.dcp.plan)
 CONTEXT_EXCHANGES = ("auto", "queries", "keys")
 
 # A fresh 4K prompt split over 2 x H200 reached its first token 1.12x later than on one
@@ -71,7 +71,7 @@ DEFAULT_MIN_SPLIT_TOKENS = 8192
 
 def min_split_tokens(knobs: PCPKnobs, pcp_world_size: int) -> int:
     """Prompt length from which a prefill is split across the PCP ranks, every chunk
-    of it (:func:`vllm_pcp.partition.split_requests`).
+    of it (:func:`vllm_pcp.pcp.partition.split_requests`).
 
     The knob if set, else :data:`DEFAULT_MIN_SPLIT_TOKENS`. Never below
     ``2 * pcp_world_size``: every rank must get tokens of a split prefill.

@@ -26,8 +26,8 @@ captured size.
 
 With ``-dcp N`` equal to ``-pcp N`` the KV cache is sharded over the same
 ranks: every step, decodes included, is planned with
-:func:`vllm_pcp.dcp_plan.build_dcp_plan` and attended by
-:class:`vllm_pcp.dcp_attention.DCPAttention`. A pure decode step runs the stock
+:func:`vllm_pcp.dcp.plan.build_dcp_plan` and attended by
+:class:`vllm_pcp.dcp.attention.DCPAttention`. A pure decode step runs the stock
 forward on every rank (vLLM's DCP slot mapping writes each token once); only
 its attention is the plugin's, and it replays a full CUDA graph
 (``cudagraph_mode`` FULL_DECODE_ONLY): the graph is captured from vLLM's dummy
@@ -56,11 +56,11 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_pcp.backend import PCPFlashInferMetadataBuilder, PCPKVExchange, PCPNoRowsMetadata
 from vllm_pcp.config import PCPKnobs, min_split_tokens
-from vllm_pcp.dcp_plan import DCPAttentionPlan, build_dcp_plan, min_folded_seq_len
-from vllm_pcp.dcp_prefix import context_written_in_step
-from vllm_pcp.exchange import (gathered_slot_mapping, restore_hidden_states,
+from vllm_pcp.dcp.plan import DCPAttentionPlan, build_dcp_plan, min_folded_seq_len
+from vllm_pcp.dcp.prefix import context_written_in_step
+from vllm_pcp.pcp.exchange import (gathered_slot_mapping, restore_hidden_states,
                                with_context_rows)
-from vllm_pcp.partition import (PrefillContextParallelMetadata, build_pcp_metadata,
+from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, build_pcp_metadata,
                                 split_requests)
 
 logger = init_logger("vllm.vllm_pcp.runner")

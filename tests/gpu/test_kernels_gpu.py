@@ -27,8 +27,8 @@ TOL = dict(atol=3e-2, rtol=3e-2)  # bf16 inputs
 def test_chunk_rows_with_bottom_right_causal_mask():
     import flashinfer
 
-    from vllm_pcp.partition import build_pcp_metadata
-    from vllm_pcp.reference import rank_prefill_attention
+    from vllm_pcp.pcp.partition import build_pcp_metadata
+    from reference import rank_prefill_attention
 
     hq, hkv, dim, page = 16, 2, 128, 16
     computed, scheduled = [0, 300, 7], [1000, 517, 1]
@@ -101,7 +101,7 @@ def test_folded_decode_on_flashinfer(world, hq, hkv, dim, rows):
     """Pure decode steps: one paged call writing out and LSE into the packed buffer,
     one all-gather, FlashInfer's merge; odd head counts check the block alignment."""
     from dcp_harness import run_dcp_step
-    from vllm_pcp.dcp_plan import build_dcp_plan
+    from vllm_pcp.dcp.plan import build_dcp_plan
 
     computed, scheduled = [40 + 37 * i for i in range(rows)], [1] * rows
     assert build_dcp_plan(computed, scheduled, world, 0, 8).decode is not None
@@ -137,8 +137,8 @@ class _MirrorGroup:
 def test_folded_decode_replays_as_a_cuda_graph():
     """Capture the decode attention of 8 rows once; plan a batch of 3 into the fixed
     buffers, replay: its rows equal the eager decode wrapper's."""
-    from vllm_pcp.dcp_attention import DCPAttention
-    from vllm_pcp.dcp_plan import build_dcp_plan
+    from vllm_pcp.dcp.attention import DCPAttention
+    from vllm_pcp.dcp.plan import build_dcp_plan
 
     hq, hkv, dim, page, rows = 16, 2, 128, 16, 8
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -257,7 +257,7 @@ def test_pcp_ranks_as_sequential_plans_on_one_gpu(world, dim, hkv):
     import flashinfer
 
     from dcp_harness import expected_output, make_batch, ranks_without_tokens
-    from vllm_pcp.partition import build_pcp_metadata_all_ranks
+    from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
 
     hq, page_size = _query_heads(hkv), 16
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -318,7 +318,7 @@ DCP_DECODE_STEPS = [(3, 1, True, 8, 1, 64, "HND"), (3, 8, True, 16, 8, 256, "NHD
 def test_dcp_decode_steps_at_three_and_eight_ranks_on_flashinfer(world, interleave, folded,
                                                                  hq, hkv, dim, kv_layout):
     from dcp_harness import run_dcp_step
-    from vllm_pcp.dcp_plan import build_dcp_plan
+    from vllm_pcp.dcp.plan import build_dcp_plan
 
     computed, scheduled = [40, 17, 77, 300], [1, 1, 1, 1]
     assert (build_dcp_plan(computed, scheduled, world, 0, interleave).decode
@@ -336,7 +336,7 @@ def test_dcp_fetched_and_queried_context_in_one_step_on_flashinfer(world, interl
     """A step whose split requests reach their context both ways: one written in this
     step (a same-step prefix hit: queries), the others fetched with the new K/V."""
     from dcp_harness import run_dcp_step
-    from vllm_pcp.dcp_plan import build_dcp_plan
+    from vllm_pcp.dcp.plan import build_dcp_plan
 
     computed, scheduled = [300, 64, 0, 40], [96, 200, 50, 1]
     written = [False, True, False, False]

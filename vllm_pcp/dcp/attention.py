@@ -1,7 +1,7 @@
-"""FlashInfer execution of a :class:`vllm_pcp.dcp_plan.DCPAttentionPlan` (GPU).
+"""FlashInfer execution of a :class:`vllm_pcp.dcp.plan.DCPAttentionPlan` (GPU).
 
 Plan once per step on the CPU plan's tensors, run per layer. Three FlashInfer
-calls, mirroring :func:`vllm_pcp.reference.pcp_dcp_rank_attention`:
+calls, mirroring :func:`reference.pcp_dcp_rank_attention`:
 
     new part        BatchPrefillWithRaggedKVCacheWrapper, causal, over this
                     step's gathered K/V (rows of the request up to the row end);
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_pcp.dcp_index import (context_slots, kept_rows, owned_split_tokens, paged_kv_layout,
+from vllm_pcp.dcp.index import (context_slots, kept_rows, owned_split_tokens, paged_kv_layout,
                                 positions_in, rows_index)
-from vllm_pcp.dcp_plan import AttentionRows, DCPAttentionPlan
-from vllm_pcp.exchange import all_gather_padded, all_to_all
+from vllm_pcp.dcp.plan import AttentionRows, DCPAttentionPlan
+from vllm_pcp.pcp.exchange import all_gather_padded, all_to_all
 
 
 class DCPAttention:
@@ -81,7 +81,7 @@ class DCPAttention:
         (decode steps only): the step replays, or captures, the full CUDA graph
         of that many rows; rows past the batch are padding without keys.
         ``kv_gathered``: :meth:`run` gets the step's K/V as the K/V exchange's
-        buffer (:func:`vllm_pcp.exchange.gather_kv`, context rows included);
+        buffer (:func:`vllm_pcp.pcp.exchange.gather_kv`, context rows included);
         False: in step order (DCP inside TP, where nothing is split).
         """
         dev = block_table.device
@@ -326,8 +326,8 @@ class DCPAttention:
 
     def local_context(self, kv_cache) -> torch.Tensor | None:
         """The context K/V this rank stores for the step's split chunks, to send
-        with its new K/V (:func:`vllm_pcp.exchange.gather_kv`): ``[Lc, 2, Hkv, D]``
-        in the order of :class:`vllm_pcp.dcp_plan.ContextGather`; None without."""
+        with its new K/V (:func:`vllm_pcp.pcp.exchange.gather_kv`): ``[Lc, 2, Hkv, D]``
+        in the order of :class:`vllm_pcp.dcp.plan.ContextGather`; None without."""
         if self.ctx_slots is None:
             return None
         page, slot = self.ctx_slots

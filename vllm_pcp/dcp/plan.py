@@ -1,7 +1,7 @@
 """Attention plan for PCP with the KV cache sharded over the same ranks (DCP == PCP).
 
 With ``-pcp N -dcp N`` rank d stores only the KV tokens it owns
-(:mod:`vllm_pcp.kv_shard`). A local query row of a request with C tokens
+(:mod:`vllm_pcp.dcp.layout`). A local query row of a request with C tokens
 computed before this step needs two pieces of keys::
 
     keys of a row     [ context: 0 .. C )           [ new: C .. row end )
@@ -27,7 +27,7 @@ cheaper when the context is short next to the chunk or the model has few KV
 heads; ``"auto"`` picks by those sizes, the same on every rank. The context is
 read before the step's cache write, so a request whose context another request
 writes in the same step (a prefix hit on blocks vLLM cached at allocation,
-:mod:`vllm_pcp.dcp_prefix`) never fetches it: its split rows take the queries
+:mod:`vllm_pcp.dcp.prefix`) never fetches it: its split rows take the queries
 road, which reads the cache after the write, while the step's other split
 requests may still fetch theirs (``"auto"`` sizes only those).
 
@@ -37,7 +37,7 @@ attention, so the new token is already in its owner's shard: each rank attends
 its shard once (``decode`` rows, the new token counted), one all-gather of the
 partials, one merge. No K/V exchange, no new part, no restore of the outputs.
 
-Pure functions of the scheduler output, like :mod:`vllm_pcp.partition`. Every
+Pure functions of the scheduler output, like :mod:`vllm_pcp.pcp.partition`. Every
 collective size here -- ``N * P`` gathered queries, the replicated-token count
 -- is the same on every rank.
 """
@@ -50,8 +50,8 @@ import numpy as np
 import torch
 
 from vllm_pcp.config import CONTEXT_EXCHANGES
-from vllm_pcp.kv_shard import dcp_local_offset, dcp_local_seq_len, dcp_owner
-from vllm_pcp.partition import (PrefillContextParallelMetadata, _expand_ranges,
+from vllm_pcp.dcp.layout import dcp_local_offset, dcp_local_seq_len, dcp_owner
+from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, _expand_ranges,
                                 build_pcp_metadata_all_ranks, split_requests)
 
 
@@ -219,7 +219,7 @@ def _new_part(rows_req: np.ndarray, token_start: np.ndarray, new_lens: np.ndarra
 def gathered_kv_index(new_kv_token_index: torch.Tensor, restore_indices: torch.Tensor,
                       num_padded_tokens_per_rank: int, num_context_rows: int) -> torch.Tensor:
     """``new_kv_token_index`` as rows of the buffer one all-gather of every rank's
-    ``[P new K/V rows | Pc context rows]`` returns (:func:`vllm_pcp.exchange.gather_kv`).
+    ``[P new K/V rows | Pc context rows]`` returns (:func:`vllm_pcp.pcp.exchange.gather_kv`).
 
     Parameters
     ----------
@@ -291,7 +291,7 @@ def build_dcp_plan(
     ``context_exchange``: how split rows reach their context, one of
     :data:`CONTEXT_EXCHANGES` (module docstring); ``kv_to_q_heads``: KV heads per
     query head, for ``"auto"``. ``context_written_in_step``: ``[R]`` bool, requests
-    whose context this step writes (:func:`vllm_pcp.dcp_prefix.context_written_in_step`);
+    whose context this step writes (:func:`vllm_pcp.dcp.prefix.context_written_in_step`);
     their split rows reach it through the queries exchange, whatever the knob.
     """
     computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)

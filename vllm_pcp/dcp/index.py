@@ -1,4 +1,4 @@
-"""Index arithmetic that :class:`vllm_pcp.dcp_attention.DCPAttention` plans with,
+"""Index arithmetic that :class:`vllm_pcp.dcp.attention.DCPAttention` plans with,
 once per step on the CPU: FlashInfer's paged-KV arguments of a rank's shard, the
 cache slots of the context a rank sends, and the row sets the layers read and
 write (as slices where they are one run of rows). Pure functions of tensors."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_pcp.dcp_plan import AttentionRows, ContextGather, DCPAttentionPlan
+from vllm_pcp.dcp.plan import AttentionRows, ContextGather, DCPAttentionPlan
 
 
 def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,

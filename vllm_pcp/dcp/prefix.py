@@ -6,7 +6,7 @@ scheduled beside another one (``n > 1``, a shared system prompt) can count as
 computed tokens that the other request computes in this very step, on the same
 blocks. That context is in the cache only after the step's cache write: a split
 chunk that fetched it before the write (``context_exchange="keys"``) would read
-stale slots, so :func:`vllm_pcp.dcp_plan.build_dcp_plan` sends such a request's
+stale slots, so :func:`vllm_pcp.dcp.plan.build_dcp_plan` sends such a request's
 queries instead.
 
 Prefix sharing is by whole blocks holding the same positions, so a block-id
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vllm_pcp.kv_shard import dcp_local_seq_len
-from vllm_pcp.partition import _expand_ranges
+from vllm_pcp.dcp.layout import dcp_local_seq_len
+from vllm_pcp.pcp.partition import _expand_ranges
 
 
 def _entry_ranges(first: np.ndarray, end: np.ndarray, block_size: int, world_size: int,

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from vllm_pcp.kv_shard import dcp_owner
+from vllm_pcp.dcp.layout import dcp_owner
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -93,7 +93,7 @@ def rank_prefill_attention(
     kv_per_request : list of (k, v)
         Per batch request, the full gathered KV ``[>= seq_len, Hkv, D]``.
     query_start_loc, seq_lens, row_req_indices : torch.Tensor
-        As in :class:`vllm_pcp.partition.PrefillContextParallelMetadata`.
+        As in :class:`vllm_pcp.pcp.partition.PrefillContextParallelMetadata`.
 
     Returns
     -------
@@ -157,7 +157,7 @@ def pcp_dcp_rank_attention(plan, group, q_local: torch.Tensor, k_step: torch.Ten
 
     Parameters
     ----------
-    plan : vllm_pcp.dcp_plan.DCPAttentionPlan
+    plan : vllm_pcp.dcp.plan.DCPAttentionPlan
     group : object with ``world_size``, ``all_gather`` and ``device_group``
     q_local : torch.Tensor
         ``[L, Hq, D]`` this rank's queries, local order.
@@ -172,7 +172,7 @@ def pcp_dcp_rank_attention(plan, group, q_local: torch.Tensor, k_step: torch.Ten
     torch.Tensor
         ``[L, Hq, D]`` float32.
     """
-    from vllm_pcp.exchange import all_gather_padded, all_to_all
+    from vllm_pcp.pcp.exchange import all_gather_padded, all_to_all
 
     if plan.decode is not None:  # q_local: the step's tokens; shard: the new ones included
         return _decode_rank_attention(plan.decode, group, q_local, shard)

@@ -45,7 +45,7 @@ def gather_kv(group, key: torch.Tensor, value: torch.Tensor, num_padded_tokens_p
     -------
     tuple of torch.Tensor
         ``[N * (P + Pc), Hkv, D]`` each: rank r's ``P`` new rows (the gathered
-        layout of :class:`vllm_pcp.partition.PrefillContextParallelMetadata`)
+        layout of :class:`vllm_pcp.pcp.partition.PrefillContextParallelMetadata`)
         then its ``Pc`` context rows, rank 0 first. With ``context`` the padding
         rows are left unset: the cache write skips them (slot -1) and attention
         indexes past them.
