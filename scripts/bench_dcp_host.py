@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -32,8 +31,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import kernel_choice_lib  # noqa: E402
 
-HEADS, PAGE, WORLD, RANK = (16, 2, 128), 16, 2, 0
+HEADS = (*kernel_choice_lib.HEADS, kernel_choice_lib.HEAD_DIM)  # the bench model's
+PAGE, WORLD, RANK = kernel_choice_lib.PAGE, 2, 0
 # ops that launch nothing on a GPU: views and allocations
 NO_KERNEL = {"view", "slice", "select", "detach", "transpose", "as_strided", "unsqueeze",
              "expand", "permute", "split", "t", "alias", "_unsafe_view", "empty",
@@ -133,7 +135,7 @@ def _steps() -> dict[str, tuple[list[int], list[int], list[int]]]:
 
 
 def _layer(step: str, exchange: str, interleave: int):
-    """A planned DCPAttention and a function running one layer's plugin work."""
+    """A DCPAttention, the step it planned and a function running one layer's plugin work."""
     import vllm.v1.attention.backends.flashinfer  # noqa: F401  (before the stand-ins)
     from vllm_pcp.dcp.attention import DCPAttention
     from vllm_pcp.dcp.plan import build_dcp_plan
@@ -160,34 +162,34 @@ def _layer(step: str, exchange: str, interleave: int):
     finally:
         sys.modules["flashinfer"] = real
     attn._fast_plan_decode = lambda *args, **kwargs: None
-    attn.plan(plan, table)
+    planned = attn.plan(plan, table)
     group, tokens = _Group(), sum(scheduled)
     q = torch.empty(tokens, hq, dim, dtype=dtype, device=meta)
     k = torch.empty(tokens, hkv, dim, dtype=dtype, device=meta)
     if plan.decode is not None:
-        return attn, group, lambda: attn.run(group, q, None, None, cache)
+        return attn, planned, group, lambda: attn.run(planned, group, q, None, None, cache)
     local = plan.pcp.local_token_indices
     n, padded = len(local), plan.pcp.num_padded_tokens_per_rank
     ctx_rows = 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded
 
     def layer():
-        context = attn.local_context(cache) if hasattr(attn, "local_context") else None
+        context = planned.read_context(cache)
         args = (context, ctx_rows) if context is not None else ()
         k_buf, v_buf = gather_kv(group, k[:n], k[:n], padded, *args)
-        return attn.run(group, q[:n], k_buf, v_buf, cache)
+        return attn.run(planned, group, q[:n], k_buf, v_buf, cache)
 
-    return attn, group, layer
+    return attn, planned, group, layer
 
 
 def measure(step: str, exchange: str, interleave: int) -> dict:
     global COUNT
-    attn, group, layer = _layer(step, exchange, interleave)
+    attn, planned, group, layer = _layer(step, exchange, interleave)
     COUNT = _Count()
     with COUNT:
         layer()
     ops, COUNT = COUNT.ops, None
-    wrappers = {id(w): w for w in (attn._new, attn._split, attn._rep, attn._decode_now,
-                                   attn._decode)}
+    wrappers = {id(w): w for w in (attn._new, attn._split, attn._replicated, attn._decode,
+                                   planned.decode_wrapper) if w is not None}
     runs = sum(w.runs for w in wrappers.values())
     return {"step": step, "exchange": exchange, "interleave": interleave,
             "aten_ops": sum(ops.values()),
@@ -205,9 +207,8 @@ def main() -> None:
     rows = [measure(step, exchange, args.interleave)
             for step, exchange in (("mixed", "keys"), ("mixed", "queries"),
                                    ("prefill", "keys"), ("decode", "keys"))]
-    rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                         cwd=HERE).stdout.strip()
-    meta = {"git_rev": rev, "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+    meta = {"git_rev": kernel_choice_lib.git_rev(),
+            "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
             "torch": torch.__version__, "cpu": os.cpu_count()}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -16,6 +16,10 @@ Medians of ``--repeats`` after one warm-up. ``pcp1-stock`` runs vLLM without
 the plugin (``VLLM_PLUGINS`` names no plugin); every configuration uses
 FlashInfer. With ``--parallel-one-gpu`` the one-GPU configurations run at the
 same time, one per GPU (the two GPUs of one host are the same model).
+
+TTFT also comes from vLLM's own ``vllm bench latency`` (scripts/bench_latency.py); this
+script stays for what that tool cannot do: ITL at a context held in the prefix cache (it
+times whole generations, cache off), the torch profiles, and the mixed-step profile.
 """
 from __future__ import annotations
 
@@ -30,25 +34,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from gpu_runs import NO_ALLREDUCE_FUSION  # noqa: E402
+from kv_capacity import pool_tokens  # noqa: E402
+from layouts import LAYOUTS, engine_kwargs  # noqa: E402
 
-CONFIGS = {
-    "pcp1-stock": ({"prefill_context_parallel_size": 1}, {"VLLM_PLUGINS": "none"}),
-    "pcp1": ({"prefill_context_parallel_size": 1}, {}),
-    "pcp2": ({"prefill_context_parallel_size": 2}, {}),
-    "pcp2-min8k": ({"prefill_context_parallel_size": 2,
-                    "additional_config": {"pcp_min_split_tokens": 8192}}, {}),
-    "pcp2-split-all": ({"prefill_context_parallel_size": 2,
-                        "additional_config": {"pcp_min_split_tokens": 2}}, {}),
-    "tp2": ({"tensor_parallel_size": 2, "compilation_config": NO_ALLREDUCE_FUSION}, {}),
-    "pcp2-dcp2": ({"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2},
-                  {}),
-    # each way a split chunk reaches its context, forced (the default picks per step)
-    **{f"pcp2-dcp2-{way}": ({"prefill_context_parallel_size": 2,
-                             "decode_context_parallel_size": 2,
-                             "additional_config": {"pcp_dcp_context_exchange": way}}, {})
-       for way in ("queries", "keys")},
-}
+# the configurations of scripts/layouts.py this bench runs (engine kwargs and env from there);
+# pcp2-dcp2-queries / -keys: each way a split chunk reaches its context, forced
+CONFIGS = ("pcp1-stock", "pcp1", "pcp2", "pcp2-min8k", "pcp2-split-all", "tp2", "pcp2-dcp2",
+           "pcp2-dcp2-queries", "pcp2-dcp2-keys")
 ONE_GPU = ("pcp1-stock", "pcp1")
 ITL_CONTEXT, ITL_TOKENS, ITL_BATCHES = 32768, 128, (1, 8)
 # --profile-mixed: tokens per request. The fresh prompt reaches the engine after the 8 cached
@@ -88,7 +80,7 @@ def measure(args) -> None:
     from vllm import LLM
 
     lens = [int(x) for x in args.prompt_lens.split(",")]
-    engine_kwargs, _ = CONFIGS[args.config]
+    layout = LAYOUTS[args.config]
     max_len = _max_len(args.prompt_lens)
     extra = {}
     if args.profile_len or args.profile_decode:
@@ -101,8 +93,8 @@ def measure(args) -> None:
               dtype="bfloat16", max_model_len=max_len,
               max_num_batched_tokens=args.chunk or max_len,
               max_num_seqs=max(ITL_BATCHES), enable_prefix_caching=True,
-              gpu_memory_utilization=0.85, attention_backend="FLASHINFER",
-              enforce_eager=args.eager, seed=0, **engine_kwargs, **extra)
+              gpu_memory_utilization=0.85, attention_backend=layout.attention_backend,
+              enforce_eager=args.eager, seed=0, **engine_kwargs(args.config), **extra)
     rng = np.random.default_rng(0)
 
     def prompts(n, batch):
@@ -110,13 +102,12 @@ def measure(args) -> None:
                 for _ in range(batch)]
 
     cache = llm.llm_engine.vllm_config.cache_config
-    dcp = engine_kwargs.get("decode_context_parallel_size", 1)
     rows = []
 
     def save() -> None:  # after every row: a later failure keeps what was measured
         with open(args.out, "w") as f:
             json.dump({"config": args.config, "rows": rows,
-                       "kv_capacity_tokens": cache.num_gpu_blocks * cache.block_size * dcp}, f)
+                       "kv_capacity_tokens": pool_tokens(cache, layout.dcp)}, f)
 
     save()
     for n in lens:
@@ -192,7 +183,7 @@ def run(args) -> None:
                "--out", out] + (["--eager"] if args.eager else []) + _profile_args(args, config)
         log = os.path.join(os.path.dirname(os.path.abspath(args.raw)), f"{config}.log")
         raw["runs"].append(run_worker(cmd, out, "rows", {"config": config},
-                                      {**CONFIGS[config][1], **env},
+                                      {**LAYOUTS[config].env, **env},
                                       extra=("kv_capacity_tokens",), log=log))
         with open(args.raw, "w") as f:
             json.dump(raw, f)
@@ -208,7 +199,8 @@ def run(args) -> None:
 
 
 def _load_raw(paths: list[str]) -> dict:
-    """Several raw runs of one sitting (e.g. two halves of the configs) as one."""
+    """Several raw runs of one revision on one host (e.g. two halves of the configs)
+    as one."""
     raw = {"runs": []}
     for path in paths:
         with open(path) as f:
@@ -316,7 +308,7 @@ def _add_report_parsers(sub) -> None:
     """report (result files from raw runs) and table (the README's tables)."""
     p = sub.add_parser("report")
     p.add_argument("--raw", nargs="+", help="bench_pcp.py run results (ttft/itl)")
-    p.add_argument("--versions-from", help="without --raw: a raw file of the same sitting")
+    p.add_argument("--versions-from", help="without --raw: a raw file of the same run")
     p.add_argument("--date", help="date of the GPU run (default: today)")
     p.add_argument("--git-rev", required=True)
     p.add_argument("--command", required=True)

@@ -134,56 +134,157 @@ def _k(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
-def timing_table(ttft: dict, itl: dict | None = None, baseline: str = "pcp1") -> str:
-    """A markdown table of one run's medians in ms, a row per configuration.
+def _table(rows: list[list[str]], headers: list[str], text_columns: int = 1) -> str:
+    """A GitHub markdown table of preformatted cells: the first ``text_columns`` columns
+    left-aligned, the numbers after them right-aligned."""
+    from tabulate import tabulate
 
-    TTFT columns (per prompt length) carry the speed-up over ``baseline``
-    (``baseline / config``); ITL columns (per batch) the ratio to it
-    (``config / baseline``), the form of the goals they answer."""
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True,
+                    colalign=("left",) * text_columns
+                    + ("right",) * (len(headers) - text_columns))
+
+
+def _ms(value: float | None) -> str:
+    """A time in ms to three significant figures or so; ``-`` where none was measured."""
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def timing_table(ttft: dict, itl: dict | None = None, baseline: str = "pcp1") -> str:
+    """A markdown table of one run's medians, a row per configuration, one number a cell.
+
+    Each prompt length gives a TTFT column in ms and the speed-up over ``baseline``
+    (``baseline / config``); each ITL batch an ITL column in ms and its ratio to
+    ``baseline`` (``config / baseline``), the form of the goals they answer."""
     itl_rows = (itl or {}).get("rows", [])
     configs = list(dict.fromkeys(r["config"] for r in ttft["rows"] + itl_rows))
     cols = ([("ttft", n) for n in sorted({r["prompt_len"] for r in ttft["rows"]})]
             + [("itl", b) for b in sorted({r["batch"] for r in itl_rows})])
     med = {(r["config"], "ttft", r["prompt_len"]): r["median_s"] for r in ttft["rows"]}
     med.update({(r["config"], "itl", r["batch"]): r["median_s"] for r in itl_rows})
-    head = [f"TTFT {_k(n)} (speed-up)" if kind == "ttft" else f"ITL batch {n} (x 1 GPU)"
-            for kind, n in cols]
-    lines = ["| ms | " + " | ".join(head) + " |", "| --- " * (len(cols) + 1) + "|"]
+    head = []
+    for kind, n in cols:
+        head += ([f"TTFT {_k(n)} (ms)", f"{_k(n)} speed-up"] if kind == "ttft"
+                 else [f"ITL batch {n} (ms)", f"batch {n} / 1 GPU"])
+    rows = []
     for config in configs:
-        cells = []
+        cells = [_label(config)]
         for kind, n in cols:
             value, base = med.get((config, kind, n)), med.get((baseline, kind, n))
-            if value is None:
-                cells.append("")
-                continue
-            precision = ".0f" if value * 1e3 >= 100 else ".1f" if value * 1e3 >= 10 else ".2f"
-            cell = f"{value * 1e3:{precision}}"
-            if base is not None and config != baseline:
-                cell += f" ({(base / value if kind == 'ttft' else value / base):.2f}x)"
-            cells.append(cell)
-        lines.append(f"| {_label(config)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            ratio = None if value is None or base is None else \
+                base / value if kind == "ttft" else value / base
+            cells += [_ms(None if value is None else value * 1e3), _x(ratio)]
+        rows.append(cells)
+    return _table(rows, ["configuration", *head])
 
 
-def serve_table(docs: list[dict]) -> str:
-    """A markdown table of ``vllm bench serve`` percentiles (ms) from serve.json files,
-    a row per configuration, each cell ``concurrency 4 / 16`` (as many as were run)."""
+SERVE_TABLE_KEYS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p50_itl_ms", "p99_itl_ms")
+HEADLINE_SERVE_KEYS = ("p50_ttft_ms", "p50_tpot_ms")
+
+
+def serve_table(docs: list[dict], keys: tuple[str, ...] = SERVE_TABLE_KEYS,
+                baseline: str | None = "pcp1", revision: bool = False) -> str:
+    """A markdown table of ``vllm bench serve`` percentiles (ms) from serve.json files: a
+    row per concurrency and configuration (concurrency first), a column per percentile.
+
+    ``baseline``, where its rows are there: after the P50 TTFT column, its speed-up over
+    that configuration at the same concurrency (``baseline / config``). ``revision``: a
+    last column naming each row's revision (rows of several files)."""
     rows = [(r, doc["meta"]["git_rev"][:7]) for doc in docs for r in doc["rows"]]
     configs = list(dict.fromkeys((r["config"], rev) for r, rev in rows))
-    keys = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p50_itl_ms", "p99_itl_ms")
-    concs = sorted({r["max_concurrency"] for r, _ in rows})
-    lines = ["| ms, concurrency " + " / ".join(map(str, concs)) + " | "
-             + " | ".join(k.removesuffix("_ms").replace("_", " ").upper() for k in keys)
-             + " | revision |", "| --- " * (len(keys) + 2) + "|"]
-    for config, rev in configs:
-        by_conc = {r["max_concurrency"]: r for r, v in rows if (r["config"], v) == (config, rev)}
-        cells = [" / ".join(_ms(by_conc[c].get(k)) if c in by_conc else "-" for c in concs)
-                 for k in keys]
-        lines.append(f"| {_label(config)} | " + " | ".join(cells) + f" | {rev} |")
-    return "\n".join(lines)
+    by = {(r["config"], rev, r["max_concurrency"]): r for r, rev in rows}
+    base_rev = next((rev for config, rev in configs if config == baseline), None)
+    baseline = baseline if base_rev is not None else None
+    head = []
+    for key in keys:
+        head.append(key.removesuffix("_ms").replace("_", " ").upper() + " (ms)")
+        if baseline and key == "p50_ttft_ms":
+            head.append("TTFT speed-up")
+    out = []
+    for conc in sorted({r["max_concurrency"] for r, _ in rows}):
+        for config, rev in configs:
+            row = by.get((config, rev, conc))
+            if row is None:
+                continue
+            cells = [_label(config), str(conc)]
+            for key in keys:
+                cells.append(_ms(row.get(key)))
+                if baseline and key == "p50_ttft_ms":
+                    base = by.get((baseline, base_rev, conc), {}).get(key)
+                    mine = row.get(key)
+                    cells.append(_x(None if mine is None or base is None else base / mine))
+            out.append(cells + ([rev] if revision else []))
+    return _table(out, ["configuration", "concurrency", *head,
+                        *(["revision"] if revision else [])])
 
 
-def _ms(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+def gsm8k_table(doc: dict) -> str:
+    """A markdown table of a gsm8k.json: exact match in points, strict and flexible, and
+    each configuration's distance from the baseline's (0.00 for the baseline itself)."""
+    order = {config: i for i, config in enumerate(LABELS)}
+    rows = sorted(doc["rows"], key=lambda r: (order.get(r["config"], len(order)), r["config"]))
+    return _table([[_label(r["config"]), f"{r['strict']:.2f}", f"{r['flexible']:.2f}",
+                    f"{r.get('delta_strict', 0.0):+.2f}", f"{r.get('delta_flexible', 0.0):+.2f}"]
+                   for r in rows],
+                  ["configuration", "strict (%)", "flexible (%)", "strict vs 1 GPU",
+                   "flexible vs 1 GPU"])
+
+
+def exactness_table(doc: dict) -> str:
+    """A markdown table of a check_exactness.py result file: per comparison (its cases, then
+    the one-GPU noise floor's), how many cases pass vLLM's top-5 rule, how many have no
+    divergence at all, and the widest margin of the baseline's own token at a divergence."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for kind, key in (("plugin", "cases"), ("noise floor", "noise_floor_cases")):
+        for case in doc.get(key, []):
+            groups.setdefault((kind, case["config"]), []).append(case)
+    rows = []
+    for (kind, config), cases in groups.items():
+        margins = [c["max_baseline_margin"] for c in cases if "max_baseline_margin" in c]
+        rows.append([config, kind, str(len({c["model"] for c in cases})), str(len(cases)),
+                     str(sum(c["passed"] for c in cases)),
+                     str(sum(c["first_divergence"] is None for c in cases)),
+                     f"{max(margins):.4g}" if margins else "-"])
+    return _table(rows, ["comparison", "kind", "models", "cases", "pass", "no divergence",
+                         "widest margin"], text_columns=2)
+
+
+def generated_tables(root: str) -> dict[str, list[str]]:
+    """Every table the docs print from the committed result files, by the markdown file
+    (relative to ``root``) that holds it; tests/test_bench_report.py keeps them equal."""
+    def load(name):
+        with open(os.path.join(root, "benchmarks", "results", name)) as f:
+            return json.load(f)
+
+    def exactness(name):
+        with open(os.path.join(root, "tests", "gpu", "results", name)) as f:
+            return exactness_table(json.load(f))
+
+    ttft, serve, gsm8k = load("ttft.json"), load("serve.json"), load("gsm8k.json")
+    return {
+        "README.md": [timing_table(ttft), serve_table([serve], HEADLINE_SERVE_KEYS),
+                      gsm8k_table(gsm8k)],
+        os.path.join("docs", "benchmarks.md"): [
+            timing_table(ttft), timing_table(load("ttft-chunked.json"), load("itl.json")),
+            serve_table([serve]), gsm8k_table(gsm8k)],
+        os.path.join("docs", "exactness.md"): [
+            exactness(name) for name in ("exactness-pcp.json", "exactness-dcp.json",
+                                         "exactness-dcp-i16.json")],
+    }
+
+
+def main() -> None:
+    """Print every generated table under the name of the file that holds it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for doc, tables in generated_tables(root).items():
+        for table in tables:
+            print(f"<!-- {doc} -->\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()

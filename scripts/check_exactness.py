@@ -1,6 +1,6 @@
 """PCP = 1 against PCP = 2 (and more) on 2 x H200: same greedy tokens and logprobs.
 
-Three steps, so that long GPU runs can be split over several commands:
+Three steps, each its own command:
 
     python scripts/check_exactness.py models --out-dir /tmp/pcp-models --layers 4
     python scripts/check_exactness.py run --models qwen2.5-3b-shape,smollm2 \
@@ -49,38 +49,22 @@ from exactness_lib import compare_outputs  # noqa: E402
 from exactness_teacher import _teacher_args, add_teacher_parser, teacher  # noqa: E402
 from gpu_runs import run_worker, versions  # noqa: E402
 from kv_capacity import kv_capacity  # noqa: E402
+from layouts import SMALL_POOL_TOKENS, worker_flags  # noqa: E402,F401
 
-SMALL_POOL_TOKENS = 20480
-CONFIGS = {"pcp1": ["--pcp", "1"], "pcp2": ["--pcp", "2"],
-           "pcp1-graphs": ["--pcp", "1", "--cuda-graphs"],
-           "pcp2-graphs": ["--pcp", "2", "--cuda-graphs"],
-           "pcp2-ray": ["--pcp", "2", "--ray"],
-           "tp2": ["--tp", "2"],
-           # the noise floor: one GPU, another attention kernel (FlashAttention) vs FlashInfer
-           "pcp1-flash-attn": ["--pcp", "1", "--attention-backend", "FLASH_ATTN"],
-           **{f"pcp2-dcp2-i{i}": ["--pcp", "2", "--dcp", "2", "--interleave", str(i)]
-              for i in (1, 8, 16)},
-           # full CUDA graphs of the decode steps (FULL_DECODE_ONLY), torch.compile on
-           "pcp2-dcp2-i8-graphs": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
-                                   "--cuda-graphs"],
-           # each way a split chunk reaches its context, forced (the default picks per step)
-           **{f"pcp2-dcp2-i8-{way}": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
-                                      "--dcp-context-exchange", way]
-              for way in ("queries", "keys")},
-           # DCP inside TP (PCP = 1): models with fewer kv heads than -tp (vLLM's rule)
-           **{f"tp2-dcp2-i{i}": ["--tp", "2", "--dcp", "2", "--interleave", str(i)]
-              for i in (1, 8, 16)},
-           "tp2-dcp2-i8-graphs": ["--tp", "2", "--dcp", "2", "--interleave", "8",
-                                  "--cuda-graphs"],
-           # a per-rank KV pool smaller than the longest prompt: only the sharded cache fits it
-           "pcp2-dcp2-i8-smallpool": ["--pcp", "2", "--dcp", "2", "--interleave", "8",
-                                      "--kv-pool-tokens", str(SMALL_POOL_TOKENS)]}
+# the layouts (scripts/layouts.py) this script runs, as exactness_worker.py flags
+CONFIGS = {name: worker_flags(name) for name in (
+    "pcp1", "pcp2", "pcp1-graphs", "pcp2-graphs", "pcp2-ray", "tp2",
+    "pcp1-flash-attn",  # the noise floor: one GPU, FlashAttention against FlashInfer
+    "pcp2-dcp2-i1", "pcp2-dcp2-i8", "pcp2-dcp2-i16", "pcp2-dcp2-i8-graphs",
+    "pcp2-dcp2-i8-queries", "pcp2-dcp2-i8-keys",  # one context exchange forced
+    "tp2-dcp2-i1", "tp2-dcp2-i8", "tp2-dcp2-i16", "tp2-dcp2-i8-graphs",
+    "pcp2-dcp2-i8-smallpool")}
 BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1",
             "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
             **{c: "pcp1-graphs" if c.endswith("-graphs") else "pcp1"
                for c in CONFIGS if "-dcp2" in c}}
 # the feature cases' own configurations (their baselines: exactness_features_cli)
-CONFIGS.update(feature_configs(CONFIGS))
+CONFIGS.update(feature_configs())
 # The noise floor: one GPU against itself, (variant, config) vs (variant, config). CUDA
 # graphs with torch.compile, or another chunk size, compute the same model with other
 # roundings in another order; any exact change of kernel or partition is measured against it.
@@ -89,8 +73,7 @@ FLOOR_PAIRS = ((("chunked", "pcp1-graphs"), ("chunked", "pcp1")),
                (("chunked", "pcp1"), ("unchunked", "pcp1")),
                (("chunked", "pcp1-graphs"), ("unchunked", "pcp1-graphs")))
 TEXT_SUFFIX = "-text"
-TEXT_DATA = os.path.join(os.environ.get("DATA_GSM8K", os.path.join(ROOT, ".gpu", "gsm8k")),
-                         "train.jsonl")
+TEXT_DATA = os.path.join(os.environ.get("DATA_GSM8K", "/tmp/gsm8k"), "train.jsonl")
 SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
                  "qwen2.5-coder-0.5b": "/tmp/models/qwen2.5-coder-0.5b"}
 # Tokenizers for random models without one (same vocabulary): the feature cases' JSON schema
@@ -201,25 +184,6 @@ def _gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count()
-
-
-def collect(args) -> None:
-    """A raw file from worker outputs named ``MODEL-VARIANT-CONFIG-tN.json``
-    (``run`` writes them under /tmp/exactness-PID/), for runs whose raw file
-    did not come back."""
-    raw = {"versions": json.loads(args.versions), "runs": []}
-    for path in args.worker_json:
-        name = os.path.basename(path).removesuffix(".json")
-        name = name.rsplit("-t", 1)[0] if name.rsplit("-t", 1)[-1].isdigit() else name
-        config = max((c for c in CONFIGS if name.endswith("-" + c)), key=len)
-        model, variant = name.removesuffix("-" + config).rsplit("-", 1)
-        with open(path) as f:
-            data = json.load(f)
-        raw["runs"].append({"model": model, "variant": variant, "config": config,
-                            "returncode": 0, "results": data["results"],
-                            "kv_capacity_tokens": data.get("kv_capacity_tokens")})
-    with open(args.raw, "w") as f:
-        json.dump(raw, f)
 
 
 def _truncate(output: dict, tokens: int) -> dict:
@@ -393,10 +357,6 @@ def main() -> None:
     c.add_argument("--serve-logs", nargs=2, metavar=("PCP2_LOG", "PCP2_DCP2_LOG"),
                    help="vllm serve logs whose KV pools go into kv_capacity (first choice)")
     add_teacher_parser(sub)
-    k = sub.add_parser("collect")
-    k.add_argument("--raw", required=True)
-    k.add_argument("--versions", required=True, help="JSON: gpu, torch, vllm, flashinfer")
-    k.add_argument("worker_json", nargs="+")
     add_features_parser(sub)
     args = ap.parse_args()
     if args.cmd == "models":
@@ -404,8 +364,6 @@ def main() -> None:
                      [n for n in args.only.split(",") if n])
     elif args.cmd == "run":
         run(args)
-    elif args.cmd == "collect":
-        collect(args)
     elif args.cmd == "features":
         features(args)
     elif args.cmd == "teacher":

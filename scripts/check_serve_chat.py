@@ -22,6 +22,13 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from layouts import serve_flags  # noqa: E402
+
+# the layout of each PCP size (scripts/layouts.py): eager, FLASHINFER at both sizes (vLLM
+# would pick FLASH_ATTN for PCP = 1), and at PCP = 2 the short chat prompt split too (the
+# default keeps it whole)
+LAYOUT_OF_PCP = {1: "pcp1", 2: "pcp2-split-all"}
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as "
             "many clips in May. How many clips did Natalia sell altogether in April and "
             "May? Explain step by step.")
@@ -106,17 +113,13 @@ def _aborts_in_log(log_path: str) -> int:
 
 def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
     cmd = [sys.executable, "-c", "from vllm.entrypoints.cli.main import main; main()",
-           "serve", model, "--port", str(port), "--enforce-eager",
-           "--prefill-context-parallel-size", str(pcp), "--max-model-len", "4096",
+           "serve", model, "--port", str(port), *serve_flags(LAYOUT_OF_PCP[pcp]),
+           "--max-model-len", "4096",
            # a fixed KV pool: both servers share the GPUs, so no memory profiling
            "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(2 << 30),
            "--seed", "0", "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
            "--max-num-seqs", "16",  # vLLM wants no more sequences than step tokens
-           "--enable-log-requests",
-           # the same kernel at both sizes: vLLM would pick FLASH_ATTN for PCP = 1
-           "--attention-backend", "FLASHINFER"]
-    if pcp > 1:  # split the short chat prompt too (the default keeps it whole)
-        cmd += ["--additional-config", json.dumps({"pcp_min_split_tokens": 2})]
+           "--enable-log-requests"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -150,7 +153,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--log-dir", default="/tmp")
     args = ap.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpu_runs import versions
 
     with ThreadPoolExecutor(2) as pool:  # both servers at once

@@ -13,22 +13,21 @@ from exactness_features import (PREEMPT_CAPACITY_TOKENS, PREEMPT_MAX_MODEL_LEN,
                                 REFUSAL_TIMEOUT_S, SLIDING_WINDOW_PATTERN,
                                 judge_feature_case, refusal_case, refusal_record)
 from gpu_runs import run_worker
+from layouts import CONTEXT_EXCHANGES as FEATURE_EXCHANGES
+from layouts import worker_flags
 
-FEATURE_EXCHANGES = ("auto", "queries", "keys")  # vllm_pcp.config.CONTEXT_EXCHANGES
 
-
-def feature_configs(configs: dict) -> dict:
-    """Engine flags of the configurations only the feature cases use, from those of
-    ``configs`` (check_exactness.CONFIGS, which takes them in)."""
+def feature_configs() -> dict:
+    """Engine flags of the configurations only the feature cases use (check_exactness.CONFIGS
+    takes them in): layouts of scripts/layouts.py, and some of them with a feature's flags."""
     return {
-        **{f"pcp2-dcp2-i{i}-{way}": ["--pcp", "2", "--dcp", "2", "--interleave", str(i),
-                                     "--dcp-context-exchange", way]
+        **{f"pcp2-dcp2-i{i}-{way}": worker_flags(f"pcp2-dcp2-i{i}-{way}")
            for i in (1, 16) for way in FEATURE_EXCHANGES},
         # -pcp 2 -dcp 2 with fp8 must be refused (the plugin's DCP runs unquantized caches)
-        **{f"{name}-fp8": [*configs[name], "--kv-cache-dtype", "fp8"]
+        **{f"{name}-fp8": [*worker_flags(name), "--kv-cache-dtype", "fp8"]
            for name in ("pcp1", "pcp2", "pcp2-dcp2-i1")},
         # the same scheduler pool of PREEMPT_CAPACITY_TOKENS everywhere: a DCP rank holds half
-        **{f"{name}-preempt": [*configs[name], "--kv-pool-tokens",
+        **{f"{name}-preempt": [*worker_flags(name), "--kv-pool-tokens",
                                str(PREEMPT_CAPACITY_TOKENS // dcp),
                                "--max-model-len", str(PREEMPT_MAX_MODEL_LEN)]
            for name, dcp in (("pcp1", 1), ("pcp2", 1), ("pcp2-dcp2-i1", 2),

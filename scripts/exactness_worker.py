@@ -16,7 +16,8 @@ from exactness_lib import (MAX_TOKENS, build_cases, render_gsm8k,  # noqa: E402
                            teacher_continuations, teacher_prompts, text_prompt)
 from exactness_features import (ENGINE_START_MARK, add_feature_args,  # noqa: E402
                                 engine_feature_args, run_feature_group)
-from gpu_runs import NO_ALLREDUCE_FUSION  # noqa: E402
+from kv_capacity import kv_bytes_per_token, pool_tokens  # noqa: E402
+from layouts import NO_ALLREDUCE_FUSION  # noqa: E402
 
 from vllm_pcp.config import CONTEXT_EXCHANGES  # noqa: E402
 
@@ -151,12 +152,6 @@ def text_prompts(tokenizer, path: str, rows: int = 1016):
     return lambda n, seed: text_prompt(corpus, question_ids, n, seed)
 
 
-def kv_bytes_per_token(hf: dict) -> int:
-    """Bytes of one token's bf16 K and V over all layers, on one rank (TP = 1)."""
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    return hf["num_hidden_layers"] * 2 * hf["num_key_value_heads"] * head_dim * 2
-
-
 def _knobs(args) -> dict:
     """Every prefill of a PCP run is split (the default leaves prompts under 8192
     tokens whole, which would compare one-GPU work with one-GPU work)."""
@@ -168,7 +163,7 @@ def _knobs(args) -> dict:
 
 def _compilation(args) -> dict:
     """TP > 1 with torch.compile: without vLLM's all-reduce + RMSNorm fusion
-    (:data:`gpu_runs.NO_ALLREDUCE_FUSION`), as in the bench."""
+    (:data:`layouts.NO_ALLREDUCE_FUSION`), as in the bench."""
     if args.tp > 1 and args.cuda_graphs:
         return {"compilation_config": NO_ALLREDUCE_FUSION}
     return {}
@@ -239,9 +234,7 @@ def main() -> None:
               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               additional_config=_knobs(args), **_compilation(args),
               **engine_feature_args(args))
-    cache = llm.llm_engine.vllm_config.cache_config
-    # With DCP one scheduler block spans block_size tokens on each of the DCP ranks.
-    kv_capacity_tokens = cache.num_gpu_blocks * cache.block_size * args.dcp
+    kv_capacity_tokens = pool_tokens(llm.llm_engine.vllm_config.cache_config, args.dcp)
     make_prompt = (text_prompts(llm.get_tokenizer(), args.text_prompts)
                    if args.text_prompts else None)
     cases = build_cases(max_model_len - args.max_tokens - 8, hf["vocab_size"], make_prompt)

@@ -8,10 +8,7 @@ import re
 import subprocess
 import time
 
-# vLLM's all-reduce + RMSNorm fusion (torch.compile at TP > 1) failed vLLM's memory
-# profiling on the 2 x H200 host, where NVLink multicast is off: engines at TP > 1 run
-# with this compilation_config (run_gpu_checks.sh passes the same to vllm serve)
-NO_ALLREDUCE_FUSION = {"pass_config": {"fuse_allreduce_rms": False}}
+from layouts import NO_ALLREDUCE_FUSION  # noqa: F401  (the workers' and benches' TP > 1)
 
 # "RuntimeError: ..." after any "(Worker pid=N) ERROR ... [file.py:N]" prefix
 _ERROR_LINE = re.compile(r"(?:^|\s)((?:\w+\.)*\w*(?:Error|Exception): .*)$")

@@ -3,6 +3,7 @@ splits a prompt into one rank's rows, the paged and ragged KV layouts of those r
 the K/V exchange's size, the timing spread, and the per-case summary of the rows."""
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -10,11 +11,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from kv_capacity import kv_bytes_per_token_layer
 
-HEADS, HEAD_DIM, PAGE = (16, 2), 128, 16  # (query heads, kv heads), head_dim, page size
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the attention shape of the bench model (bench_pcp.py's), read from its config
+BENCH_MODEL_CONFIG = os.path.join(os.path.dirname(HERE), "configs", "models",
+                                  "qwen2.5-3b-shape.json")
+with open(BENCH_MODEL_CONFIG) as _f:
+    _HF = json.load(_f)
+HEADS = (_HF["num_attention_heads"], _HF["num_key_value_heads"])  # (query heads, kv heads)
+HEAD_DIM = _HF["head_dim"]
+PAGE = 16  # vLLM's default block size: the page size of its FlashInfer cache
 ATTENTION_KERNELS = ("paged", "ragged")
-BF16_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,7 @@ def ragged_layout(kv_lens: np.ndarray):
 def kv_exchange_bytes(padded_tokens: int, kv_heads: int = HEADS[1],
                       head_dim: int = HEAD_DIM) -> int:
     """Bytes of one rank's K and V rows in the exchange: ``P * 2 * kv_heads * head_dim * 2``."""
-    return padded_tokens * 2 * kv_heads * head_dim * BF16_BYTES
+    return padded_tokens * kv_bytes_per_token_layer(kv_heads, head_dim)
 
 
 def spread(times_ms: list[float]) -> dict:

@@ -9,9 +9,16 @@ switches. Each script reads it in the form it needs:
 - :func:`worker_flags`: the flags of ``scripts/exactness_worker.py``.
 
 ``pcp1-stock`` is vLLM without the plugin (``VLLM_PLUGINS=none``).
+
+The shell scripts read the same layouts from the command line:
+
+    python3 scripts/layouts.py serve-flags NAME [--cuda-graphs | --eager]  # one flag a line
+    python3 scripts/layouts.py env NAME    # KEY=VALUE lines of the layout's environment
+    python3 scripts/layouts.py gpus NAME   # GPUs one engine of the layout takes
 """
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 
@@ -19,6 +26,8 @@ from dataclasses import dataclass, field
 # on hosts with NVLink multicast off: engines at TP > 1 run with this compilation_config
 NO_ALLREDUCE_FUSION = {"pass_config": {"fuse_allreduce_rms": False}}
 CONTEXT_EXCHANGES = ("auto", "queries", "keys")  # vllm_pcp.config.CONTEXT_EXCHANGES
+# pcp2-dcp2-i8-smallpool's KV pool per rank: smaller than the longest exactness prompt (32768)
+SMALL_POOL_TOKENS = 20480
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ LAYOUTS: dict[str, Layout] = {
     "pcp2-ray": Layout(pcp=2, ray=True),
     "pcp2-min8k": Layout(pcp=2, knobs={"pcp_min_split_tokens": 8192}),
     "pcp2-split-all": Layout(pcp=2, knobs={"pcp_min_split_tokens": 2}),
+    # every prompt split, the short chat and gsm8k prompts too (the default keeps them whole)
+    "pcp2-dcp2-split-all": _dcp(1, knobs={"pcp_min_split_tokens": 2}),
     "tp2": Layout(tp=2),
     "pcp2-dcp2": _dcp(1),
     **{f"pcp2-dcp2-{way}": _dcp(1, knobs={"pcp_dcp_context_exchange": way})
@@ -65,7 +76,7 @@ LAYOUTS: dict[str, Layout] = {
     **{f"tp2-dcp2-i{i}": Layout(tp=2, dcp=2, interleave=i) for i in (1, 8, 16)},
     "tp2-dcp2-i8-graphs": Layout(tp=2, dcp=2, interleave=8, cuda_graphs=True),
     # a per-rank KV pool smaller than the longest prompt: only the sharded cache fits it
-    "pcp2-dcp2-i8-smallpool": _dcp(8, worker_extra=("--kv-pool-tokens", "20480")),
+    "pcp2-dcp2-i8-smallpool": _dcp(8, worker_extra=("--kv-pool-tokens", str(SMALL_POOL_TOKENS))),
 }
 
 
@@ -73,9 +84,9 @@ def serve_flags(name: str, cuda_graphs: bool | None = None) -> list[str]:
     """``vllm serve`` flags of a layout (also ``vllm bench latency``'s). ``cuda_graphs``
     overrides the layout's choice."""
     lay = LAYOUTS[name]
-    flags = ["--attention-backend", lay.attention_backend]
-    for flag, value in (("--prefill-context-parallel-size", lay.pcp),
-                        ("--decode-context-parallel-size", lay.dcp),
+    flags = ["--attention-backend", lay.attention_backend,
+             "--prefill-context-parallel-size", str(lay.pcp)]  # 1 too: the plugin's flag
+    for flag, value in (("--decode-context-parallel-size", lay.dcp),
                         ("--tensor-parallel-size", lay.tp)):
         if value > 1:
             flags += [flag, str(value)]
@@ -127,3 +138,35 @@ def worker_flags(name: str) -> list[str]:
     if lay.attention_backend != "FLASHINFER":
         flags += ["--attention-backend", lay.attention_backend]
     return [*flags, *lay.worker_extra]
+
+
+def gpus(name: str) -> int:
+    """GPUs one engine of a layout takes (DCP splits the ranks PCP or TP already has)."""
+    lay = LAYOUTS[name]
+    return lay.pcp * lay.tp
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="the named configurations, as the shell "
+                                             "scripts take them")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    flags = sub.add_parser("serve-flags", help="vllm serve flags, one a line")
+    flags.add_argument("name", choices=LAYOUTS, metavar="NAME")
+    graphs = flags.add_mutually_exclusive_group()
+    graphs.add_argument("--cuda-graphs", dest="graphs", action="store_const", const=True)
+    graphs.add_argument("--eager", dest="graphs", action="store_const", const=False)
+    for cmd, text in (("env", "KEY=VALUE lines of the environment"), ("gpus", "GPU count")):
+        sub.add_parser(cmd, help=text).add_argument("name", choices=LAYOUTS, metavar="NAME")
+    args = ap.parse_args(argv)
+    if args.cmd == "serve-flags":
+        lines = serve_flags(args.name, args.graphs)
+    elif args.cmd == "env":
+        lines = [f"{k}={v}" for k, v in LAYOUTS[args.name].env.items()]
+    else:
+        lines = [str(gpus(args.name))]
+    for line in lines:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

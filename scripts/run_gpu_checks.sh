@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks of one sitting on 2 x H200, one stage per call (each under
-# 10 minutes once FlashInfer's kernels are compiled; the first engine of a fresh host
-# compiles them, about 4 minutes).
+# The GPU checks and benchmarks, one stage at a time, on a machine with vLLM and this
+# plugin installed (2 x H200 for the stages that run PCP, DCP or TP at 2). The first engine
+# on a machine compiles FlashInfer's kernels (about 4 minutes); later ones reuse them.
 #
 #   scripts/run_gpu_checks.sh STAGE OUT_DIR
+#
+# Configurations are named as in scripts/layouts.py (their flags are defined there only);
+# GSM8K text is read from DATA_GSM8K (a folder with train.jsonl and test.jsonl, default
+# /tmp/gsm8k), models from /tmp/models and /tmp/pcp-models.
 #
 # Stages, in the order worth running them:
 #   kernels    pytest tests/gpu (FlashInfer kernels as driven here vs the reference);
@@ -19,7 +23,7 @@
 #              prompt (32768); DCP_CONFIGS and DCP_UNCHUNKED_CONFIGS pick configurations
 #              (also pcp2-dcp2-i8-keys / -queries: one context exchange forced); and the
 #              real models of DCP_TEXT_MODELS (default smollm2-text; empty: none) on GSM8K
-#              text (DATA_GSM8K, default .gpu/gsm8k, else $STASH/gsm8k) under DCP_TEXT_CONFIGS
+#              text (DATA_GSM8K) under DCP_TEXT_CONFIGS
 #   exact-tp-dcp  -tp 2 -dcp 2 (PCP = 1) at interleave 1, 8, 16 and with CUDA graphs
 #              against PCP = 1, the 1-kv-head model, chunked and unchunked prefill
 #              (TP_DCP_CONFIGS picks configurations)
@@ -49,13 +53,12 @@
 #              NCCL, FlashInfer and idle (scripts/trace_steps.py: steps.json)
 #   serve      vllm serve chat at PCP=1 and PCP=2 (with clients hanging up mid-prefill),
 #              and gsm8k through lm-eval at PCP=1,
-#              PCP=2 and PCP=2 x DCP=2 (MODEL_GSM8K; DATA_GSM8K: a folder with train.jsonl
-#              and test.jsonl, default .gpu/gsm8k of the checkout, else $STASH/gsm8k),
+#              PCP=2 and PCP=2 x DCP=2, every prompt split (MODEL_GSM8K; DATA_GSM8K),
 #              servers side by side;
 #              GSM8K_CONFIGS picks some ("pcp2-dcp2"; empty: chat and abort check only)
 #   bench-serve  vllm bench serve at concurrency 4 and 16 against one server at a time
-#              (SERVE_CONFIGS, default "pcp1 pcp2 pcp2-dcp2 tp2", also pcp2-dcp2-queries
-#              and pcp2-dcp2-keys; INPUT_LEN 16384, PROMPTS
+#              (SERVE_CONFIGS, default "pcp1 pcp2 pcp2-dcp2 tp2", any layout: e.g.
+#              pcp2-dcp2-queries and pcp2-dcp2-keys; INPUT_LEN 16384, PROMPTS
 #              16), the bench model with dummy weights, CUDA graphs as vLLM's default
 #              (SERVE_EAGER=--enforce-eager: none), Qwen2.5-Coder's tokenizer (same
 #              vocabulary; SERVE_TOKENIZER: any tokenizer whose ids the model takes);
@@ -74,8 +77,8 @@
 #   soak       vllm serve under load (scripts/serve_soak.py): -pcp 2 and -pcp 2 -dcp 2
 #              (SOAK_CONFIGS) side by side on both GPUs, 64 streaming clients each,
 #              prompts of 1K to 64K tokens, a tenth cancelled mid-stream, for
-#              SOAK_DURATION_S (default 420 keeps the stage under 10 minutes; a 600 s
-#              soak takes about 13), then greedy texts against a -pcp 1 server's;
+#              SOAK_DURATION_S (default 420: the stage takes about 10 minutes, a 600 s
+#              soak about 13), then greedy texts against a -pcp 1 server's;
 #              MODEL_SOAK (default Qwen2.5-Coder-0.5B, 64K allowed past its 32K);
 #              OUT_DIR/serve-soak.json
 #   faults     bad requests at -pcp 1, -pcp 2, -pcp 2 -dcp 2 (scripts/serve_faults.py,
@@ -88,7 +91,8 @@
 # runs with vLLM's CUDA graphs (default: --eager); BENCH_CHUNK=8192 times chunked prefill at
 # that many tokens per step (default: unchunked)
 # Work files go to /tmp/gpu-checks/STAGE (GPU_CHECKS_DIR overrides /tmp/gpu-checks); OUT_DIR
-# gets them as one STAGE.tgz (the device returns few files) and a summary on stdout. scripts/check_exactness.py compare and
+# gets them packed as STAGE.tgz (profiler traces left out), the stage's result file named
+# above, and a summary on stdout. scripts/check_exactness.py compare and
 # scripts/bench_pcp.py report turn the raw files into the committed result files.
 set -uo pipefail
 stage=$1 out=$2
@@ -96,9 +100,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 work=${GPU_CHECKS_DIR:-/tmp/gpu-checks}/$stage
 mkdir -p "$out" "$work"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-if [ -z "${DATA_GSM8K:-}" ] && [ ! -d "$here/../.gpu/gsm8k" ]; then  # where `stash` keeps it
-  export DATA_GSM8K=${STASH:-/tmp}/gsm8k
-fi
+export DATA_GSM8K=${DATA_GSM8K:-/tmp/gsm8k}
 ex() { python3 "$here/check_exactness.py" "$@"; }
 lanes() { ex run --overlap --kv-cache-gib 2 --gpu-memory-utilization 0.05 "$@"; }
 judge() {  # judge NAME LOGS ARGS...: ex ARGS --out WORK/NAME.json --git-rev --command "$what",
@@ -113,8 +115,14 @@ judge() {  # judge NAME LOGS ARGS...: ex ARGS --out WORK/NAME.json --git-rev --c
   tail -n 30 "$work/$logs"*.log
   exit "$rc"
 }
+layout_flags() {  # VAR NAME [--cuda-graphs | --eager]: VAR=(the vllm serve flags of NAME)
+  local -n into=$1
+  local _lines
+  _lines=$(python3 "$here/layouts.py" serve-flags "${@:2}") || return
+  mapfile -t into <<< "$_lines"
+}
 models=qwen2.5-3b-shape,llama-8kv-hd64,qwen2-mqa-1kv,smollm2
-pack() {  # profiler traces stay behind (too big to return); their tables travel
+pack() {  # profiler traces left out (hundreds of MB); their per-step tables go in
   tar czf "$out/$stage.tgz" --exclude='*.pt.trace.json*' -C "$(dirname "$work")" "$stage"
 }
 trap pack EXIT
@@ -169,7 +177,7 @@ EOF
     wait; tail -n 30 "$work"/pcp.log "$work"/more.log ;;
   exact-dcp)
     ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
-    # the real model and the 1-kv-head model first: the last sitting's run ended before them
+    # the real model and the 1-kv-head model first
     lanes --lanes 8 --one-gpu-lanes 2 --variants chunked --max-tokens 256 \
       --models smollm2,qwen2-mqa-1kv,qwen2.5-3b-shape,llama-8kv-hd64 \
       --configs "${DCP_CONFIGS:-pcp1,pcp1-flash-attn,pcp1-graphs,pcp2-dcp2-i1,pcp2-dcp2-i8,pcp2-dcp2-i16,pcp2-dcp2-i8-graphs}" \
@@ -265,21 +273,11 @@ EOF
   bench-serve)  # one server at a time: vllm bench serve times them
     python3 "$here/bench_pcp.py" model --out-dir /tmp/bench-models/qwen2.5-3b-shape
     for config in ${SERVE_CONFIGS:-pcp1 pcp2 pcp2-dcp2 tp2}; do
-      case $config in
-        pcp1) flags=(--prefill-context-parallel-size 1) env=(CUDA_VISIBLE_DEVICES=0) ;;
-        pcp2) flags=(--prefill-context-parallel-size 2) env=() ;;
-        # vLLM's all-reduce + RMSNorm fusion (on with torch.compile at TP > 1) failed
-        # vLLM's memory profiling on this host (NVLink multicast is off here): off
-        tp2) flags=(--tensor-parallel-size 2
-                    --compilation-config '{"pass_config": {"fuse_allreduce_rms": false}}')
-             env=() ;;
-        pcp2-dcp2) flags=(--prefill-context-parallel-size 2 --decode-context-parallel-size 2)
-                   env=() ;;
-        pcp2-dcp2-queries|pcp2-dcp2-keys)  # one context exchange forced
-          flags=(--prefill-context-parallel-size 2 --decode-context-parallel-size 2
-                 --additional-config "{\"pcp_dcp_context_exchange\": \"${config##*-}\"}")
-          env=() ;;
-      esac
+      layout_flags flags "$config" --cuda-graphs || { echo "$config rc=2"; continue; }
+      mapfile -t env < <(python3 "$here/layouts.py" env "$config")
+      if [ "$(python3 "$here/layouts.py" gpus "$config")" = 1 ]; then
+        env+=(CUDA_VISIBLE_DEVICES=0)  # a one-GPU server on the first GPU
+      fi
       env "${env[@]}" INPUT_LEN=${INPUT_LEN:-16384} PROMPTS=${PROMPTS:-16} \
         "$here/bench_serve.sh" /tmp/bench-models/qwen2.5-3b-shape \
         "${SERVE_TOKENIZER:-/tmp/models/qwen2.5-coder-0.5b}" "$work" "$config${SERVE_TAG-}" \
@@ -287,34 +285,29 @@ EOF
         > "$work/$config${SERVE_TAG-}.log" 2>&1
       echo "$config rc=$?"
     done ;;
-  kernel-choice)  # one GPU, 2.5 to 3 minutes on a fresh host (FlashInfer's compiles included)
+  kernel-choice)  # one GPU, 2.5 to 3 minutes (FlashInfer's first compiles included)
     python3 "$here/bench_kernel_choice.py" --out "$work/kernel-choice.json" \
       ${KERNEL_CHOICE_CASES:+--cases "$KERNEL_CHOICE_CASES"} 2>&1 | tee "$work/kernel-choice.log"
     rc=${PIPESTATUS[0]}
     [ -f "$work/kernel-choice.json" ] && cp "$work/kernel-choice.json" "$out/kernel-choice.json"
     exit "$rc" ;;
   serve)
-    if ls "$here"/../.gpu/extra/*.whl > /dev/null 2>&1; then  # lm-eval[api] needs tenacity
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site "$here"/../.gpu/extra/*.whl
-    fi
     python3 "$here/check_serve_chat.py" --model "${MODELS_REAL:-/tmp/models/smollm2-135m}" \
       --git-rev "${GIT_REV:-unknown}" --out "$work/serve-chat-pcp.json" --log-dir "$work" &
     chat=$!
-    flags=(--enforce-eager --gpu-memory-utilization 0.1 --kv-cache-memory-bytes $((8 << 30))
-           --attention-backend FLASHINFER)
-    gsm8k() {  # NAME PORT PCP [more vllm serve flags]
-      local name=$1 port=$2; shift 2
+    gsm8k() {  # NAME PORT LAYOUT: lm-eval against a server of LAYOUT
+      local name=$1 port=$2 layout
+      layout_flags layout "$3" || return
       PORT=$port "$here/eval_gsm8k.sh" "${MODEL_GSM8K:-/tmp/models/qwen2.5-coder-0.5b}" \
-        "${DATA_GSM8K:-$here/../.gpu/gsm8k}" "$work/gsm8k-$name.json" "${flags[@]}" \
-        --prefill-context-parallel-size "$@" > "$work/gsm8k-$name.log" 2>&1
+        "$DATA_GSM8K" "$work/gsm8k-$name.json" --gpu-memory-utilization 0.1 \
+        --kv-cache-memory-bytes $((8 << 30)) "${layout[@]}" > "$work/gsm8k-$name.log" 2>&1
     }
     # PCP runs split every prompt (the default keeps gsm8k's short prompts whole)
     for config in ${GSM8K_CONFIGS-pcp1 pcp2 pcp2-dcp2}; do
       case $config in
-        pcp1) gsm8k pcp1 8201 1 & ;;
-        pcp2) gsm8k pcp2 8202 2 --additional-config '{"pcp_min_split_tokens": 2}' & ;;
-        pcp2-dcp2) gsm8k pcp2-dcp2 8203 2 --decode-context-parallel-size 2 \
-          --additional-config '{"pcp_min_split_tokens": 2}' & ;;
+        pcp1) gsm8k pcp1 8201 pcp1 & ;;
+        pcp2) gsm8k pcp2 8202 pcp2-split-all & ;;
+        pcp2-dcp2) gsm8k pcp2-dcp2 8203 pcp2-dcp2-split-all & ;;
       esac
     done
     wait "$chat"; rc=$?  # the stage fails when the chat or abort check does
@@ -324,27 +317,26 @@ EOF
   soak)  # the -pcp 1 reference answers while the soak servers start; soaks side by side
     model=${MODEL_SOAK:-/tmp/models/qwen2.5-coder-0.5b}
     export VLLM_ALLOW_LONG_MAX_MODEL_LEN=1  # 64K prompts are load here; texts stay short
-    soak_flags=(--enforce-eager --gpu-memory-utilization 0.1 --attention-backend FLASHINFER
-                --seed 0 --max-model-len 65792 --max-num-seqs 64)
-    soak_one() {  # NAME PORT MODE KV_GIB [vllm serve flags]: a server, serve_soak.py MODE
-      local name=$1 port=$2 mode=$3 kv_gib=$4; shift 4
+    soak_flags=(--gpu-memory-utilization 0.1 --seed 0 --max-model-len 65792 --max-num-seqs 64)
+    soak_one() {  # NAME PORT MODE KV_GIB: a server of layout NAME, serve_soak.py MODE
+      local name=$1 port=$2 mode=$3 kv_gib=$4 layout
       ( . "$here/serve_lib.sh"  # a subshell each: its own $server and EXIT trap
-        serve_until_healthy "$port" "$work/$name-server.log" 900 "$model" "${soak_flags[@]}" \
-          --kv-cache-memory-bytes $((kv_gib << 30)) "$@"
+        layout_flags layout "$name" || exit
+        flags=("${soak_flags[@]}" --kv-cache-memory-bytes $((kv_gib << 30)) "${layout[@]}")
+        serve_until_healthy "$port" "$work/$name-server.log" 900 "$model" "${flags[@]}"
         python3 "$here/serve_soak.py" "$mode" --port "$port" --model "$model" --name "$name" \
-          --server-pid "$server" --server-command "vllm serve $model ${soak_flags[*]} $*" \
+          --server-pid "$server" --server-command "vllm serve $model ${flags[*]}" \
           --reference "$work/soak-pcp1.json" --reference-wait-s 60 \
           --duration-s "${SOAK_DURATION_S:-420}" --request-timeout-s 120 \
           --out "$work/soak-$name.json"
       ) > "$work/soak-$name.log" 2>&1
     }
-    soak_one pcp1 8301 reference 2 --prefill-context-parallel-size 1 &
+    soak_one pcp1 8301 reference 2 &
     results=()
     for config in ${SOAK_CONFIGS:-pcp2 pcp2-dcp2}; do
       case $config in
-        pcp2) soak_one pcp2 8302 soak 16 --prefill-context-parallel-size 2 & ;;
-        pcp2-dcp2) soak_one pcp2-dcp2 8303 soak 16 --prefill-context-parallel-size 2 \
-          --decode-context-parallel-size 2 & ;;
+        pcp2) soak_one pcp2 8302 soak 16 & ;;
+        pcp2-dcp2) soak_one pcp2-dcp2 8303 soak 16 & ;;
       esac
       results+=("$work/soak-$config.json")
     done
@@ -356,14 +348,15 @@ EOF
   faults)  # -pcp 1 answers the bad requests the others are held to; a dead rank last
     model=${MODEL_FAULTS:-/tmp/models/qwen2.5-coder-0.5b}
     # 512 tokens a step: the dead rank's 30,000-token prompt prefills over 59 steps
-    faults_flags=(--enforce-eager --gpu-memory-utilization 0.1 --kv-cache-memory-bytes
-                  $((4 << 30)) --attention-backend FLASHINFER --seed 0 --max-model-len 32768
-                  --max-num-seqs 16 --max-num-batched-tokens 512 --enable-log-requests)
-    faults_one() {  # NAME PORT [vllm serve flags]: bad requests, then (not pcp1) a dead rank
-      local name=$1 port=$2; shift 2
+    faults_flags=(--gpu-memory-utilization 0.1 --kv-cache-memory-bytes $((4 << 30)) --seed 0
+                  --max-model-len 32768 --max-num-seqs 16 --max-num-batched-tokens 512
+                  --enable-log-requests)
+    faults_one() {  # NAME PORT LAYOUT: bad requests, then (not pcp1) a dead rank
+      local name=$1 port=$2 layout
       ( . "$here/serve_lib.sh"
+        layout_flags layout "$3" || exit
         serve_until_healthy "$port" "$work/$name-server.log" 900 "$model" \
-          "${faults_flags[@]}" "$@"
+          "${faults_flags[@]}" "${layout[@]}"
         held_to=()
         [ "$name" = pcp1 ] || held_to=(--reference "$work/faults-pcp1.json")
         python3 "$here/serve_faults.py" requests --port "$port" --model "$model" \
@@ -374,14 +367,12 @@ EOF
           --server-log "$work/$name-server.log" --out "$work/dead-rank-$name.json"
       ) > "$work/faults-$name.log" 2>&1
     }
-    split=(--additional-config '{"pcp_min_split_tokens": 2}')  # the 1-token prompt too
-    faults_one pcp1 8401 --prefill-context-parallel-size 1 &
+    faults_one pcp1 8401 pcp1 &
     results=("$work/faults-pcp1.json")
     for config in ${FAULTS_CONFIGS:-pcp2 pcp2-dcp2}; do
-      case $config in
-        pcp2) faults_one pcp2 8402 --prefill-context-parallel-size 2 "${split[@]}" & ;;
-        pcp2-dcp2) faults_one pcp2-dcp2 8403 --prefill-context-parallel-size 2 \
-          --decode-context-parallel-size 2 "${split[@]}" & ;;
+      case $config in  # every prompt split, the 1-token one too
+        pcp2) faults_one pcp2 8402 pcp2-split-all & ;;
+        pcp2-dcp2) faults_one pcp2-dcp2 8403 pcp2-dcp2-split-all & ;;
       esac
       results+=("$work/faults-$config.json" "$work/dead-rank-$config.json")
     done

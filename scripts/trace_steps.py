@@ -10,8 +10,8 @@ kernels, and the GPU span left idle. NCCL time well above the peer rank's for th
 step is waiting for that rank, not moving bytes. It prints how many steps of each trace are
 mixed (prefills beside decodes: what ``--profile-mixed`` is after). With ``--python-out``
 (traces recorded with Python stacks, ``bench_pcp.py run --profile-stack``) it also writes
-where the attention layer's host time goes, per Python function. The traces are too big to
-bring back from the GPU host; these summaries are small.
+where the attention layer's host time goes, per Python function. The traces run to hundreds
+of MB; these summaries are small enough to keep beside the results.
 """
 from __future__ import annotations
 

@@ -87,9 +87,8 @@ def _capture_like_vllm(attn, world, rank, interleave, graph_rows, table):
     interleave`` per row, every page the first one) on ``attn``."""
     plan = build_dcp_plan([world * interleave] * graph_rows, [1] * graph_rows, world, rank,
                           interleave)
-    attn.plan(plan, torch.zeros(graph_rows, table.shape[1], dtype=table.dtype,
-                                device=table.device), graph_rows)
-    return attn._decode_now
+    return attn.plan(plan, torch.zeros(graph_rows, table.shape[1], dtype=table.dtype,
+                                       device=table.device), graph_rows).decode_wrapper
 
 
 def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
@@ -135,22 +134,23 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
             captured = _capture_like_vllm(attn, world, rank, interleave, graph_rows, table)
             pad = torch.randn(max(0, graph_rows - len(q)), hq, dim).to(q_step)
             q_step = torch.cat([q_step, pad])
-        attn.plan(plan, table, graph_rows, kv_gathered=not heads_gathered)
+        step = attn.plan(plan, table, graph_rows, kv_gathered=not heads_gathered)
         if graph_rows is not None:
-            assert attn._decode_now is captured  # a replay runs the captured wrapper
+            assert step.decode_wrapper is captured  # a replay runs the captured wrapper
         if heads_gathered:
             heads = hq // world
             mine = q_step[:, rank * heads:(rank + 1) * heads]
-            return attn.run_heads_gathered(group.rank(rank), mine, k_step, v_step, cache).cpu()
+            return attn.run_heads_gathered(step, group.rank(rank), mine, k_step, v_step, cache).cpu()
         if plan.decode is not None:  # the runner's decode step: step order, no restore
-            return attn.run(group.rank(rank), q_step, None, None, cache).cpu()
+            return attn.run(step, group.rank(rank), q_step, None, None, cache).cpu()
         local = plan.pcp.local_token_indices.to(device)
         # the cache write's exchange: local new K/V, plus the context split chunks fetch
         context_rows = 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded
         k_buf, v_buf = gather_kv(group.rank(rank), k_step[local], v_step[local],
                                  plan.pcp.num_padded_tokens_per_rank,
-                                 attn.local_context(cache), context_rows)
-        out = attn.run(group.rank(rank), q.to(device, dtype)[local], k_buf, v_buf, cache)
+                                 step.read_context(cache), context_rows)
+        out = attn.run(step, group.rank(rank), q.to(device, dtype)[local], k_buf, v_buf,
+                       cache)
         restored = restore_hidden_states(group.rank(rank), out.reshape(out.shape[0], hq * dim),
                                          plan.pcp.num_padded_tokens_per_rank,
                                          plan.pcp.restore_indices.to(device))

@@ -1,6 +1,7 @@
 """scripts/run_gpu_checks.sh's soak and faults stages with stand-ins (no vLLM, no GPU): a
 serve_lib.sh whose serve_until_healthy only records its arguments, and a serve_soak.py /
-serve_faults.py that record theirs and write the --out file."""
+serve_faults.py that record theirs and write the --out file (scripts/layouts.py is the real
+one)."""
 from __future__ import annotations
 
 import json
@@ -28,7 +29,8 @@ def run_stage(tmp_path, stage: str, **env) -> tuple[subprocess.CompletedProcess,
     """Run the stage with the stand-ins; its result and the calls they recorded."""
     scripts = tmp_path / "scripts"
     scripts.mkdir(exist_ok=True)
-    shutil.copy(os.path.join(SCRIPTS, "run_gpu_checks.sh"), scripts / "run_gpu_checks.sh")
+    for name in ("run_gpu_checks.sh", "layouts.py"):  # the stage reads its layouts' flags
+        shutil.copy(os.path.join(SCRIPTS, name), scripts / name)
     (scripts / "serve_lib.sh").write_text(FAKE_LIB)
     for name in ("serve_soak.py", "serve_faults.py"):
         (scripts / name).write_text(FAKE_SCRIPT)

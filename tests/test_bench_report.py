@@ -118,9 +118,9 @@ def test_report_records_the_chunk_size_of_a_chunked_run(tmp_path, monkeypatch):
     assert "max_num_batched_tokens" not in json.load(open(tmp_path / "ttft.json"))["meta"]
 
 
-def test_report_writes_serve_json_alone_with_the_sittings_versions(tmp_path):
-    """A sitting whose bench stage did not run still reports its serving results:
-    versions from another raw file of that sitting, no ttft.json written; the out-dir
+def test_report_writes_serve_json_alone_with_the_runs_versions(tmp_path):
+    """A GPU run whose bench stage did not run still reports its serving results:
+    versions from another raw file of that run, no ttft.json written; the out-dir
     (a new run-REV folder) is made."""
     from types import SimpleNamespace
 
@@ -169,18 +169,27 @@ def test_profile_flags_reach_only_the_profiled_configs():
         SimpleNamespace(**{**vars(args), "profile_mixed": False}), "pcp2")
 
 
+def _cells(line: str) -> list[str]:
+    """The cells of one markdown table line, stripped of tabulate's padding."""
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
 def test_timing_table_gives_ttft_speed_ups_and_itl_ratios_against_one_gpu():
     ttft = {"rows": bench_report._ttft_rows(RAW)}
     itl = {"rows": bench_report._itl_rows(RAW)
            + [{"config": "pcp2", "context": 32768, "batch": 1, "median_s": 0.0099}]}
     lines = bench_report.timing_table(ttft, itl).split("\n")
-    assert lines[0] == "| ms | TTFT 32K (speed-up) | ITL batch 1 (x 1 GPU) |"
-    assert lines[2] == "| plugin, 1 GPU | 590 | 11.0 |"
-    assert lines[3] == f"| `-pcp 2` | 310 ({0.59 / 0.31:.2f}x) | 9.90 ({0.0099 / 0.011:.2f}x) |"
+    assert _cells(lines[0]) == ["configuration", "TTFT 32K (ms)", "32K speed-up",
+                                "ITL batch 1 (ms)", "batch 1 / 1 GPU"]
+    assert set(lines[1]) <= set("|-")  # GitHub's header rule
+    assert _cells(lines[2]) == ["plugin, 1 GPU", "590", "1.00", "11.0", "1.00"]
+    assert _cells(lines[3]) == ["`-pcp 2`", "310", f"{0.59 / 0.31:.2f}", "9.90",
+                                f"{0.0099 / 0.011:.2f}"]
     assert len(lines) == 4  # tp2 failed: no row
+    assert len({len(line) for line in lines}) == 1  # tabulate pads the columns
 
 
-def test_serve_table_puts_both_concurrencies_in_a_cell_and_names_each_rows_revision():
+def test_serve_table_gives_a_row_per_concurrency_and_names_each_rows_revision():
     row = {"p50_ttft_ms": 537.2, "p90_ttft_ms": 679.0, "p50_tpot_ms": 4.61,
            "p50_itl_ms": 3.72, "p99_itl_ms": 63.1}
     docs = [{"meta": {"git_rev": "87d2d5d3c1"},
@@ -189,26 +198,113 @@ def test_serve_table_puts_both_concurrencies_in_a_cell_and_names_each_rows_revis
                        **{k: 2 * v for k, v in row.items()}}]},
             {"meta": {"git_rev": "fc2d1fc819"},
              "rows": [{"config": "tp2", "max_concurrency": 4, **row}]}]
-    lines = bench_report.serve_table(docs).split("\n")
-    assert lines[0].startswith("| ms, concurrency 4 / 16 | P50 TTFT |")
-    assert lines[2] == "| `-pcp 2` | 537 / 1074 | 679 / 1358 | 4.6 / 9.2 | 3.7 / 7.4 | " \
-                       "63.1 / 126 | 87d2d5d |"
-    assert lines[3] == "| `-tp 2` | 537 / - | 679 / - | 4.6 / - | 3.7 / - | 63.1 / - | fc2d1fc |"
+    lines = bench_report.serve_table(docs, revision=True).split("\n")
+    assert _cells(lines[0])[:4] == ["configuration", "concurrency", "P50 TTFT (ms)",
+                                    "P90 TTFT (ms)"]
+    assert _cells(lines[0])[-1] == "revision"
+    assert _cells(lines[2]) == ["`-pcp 2`", "4", "537", "679", "4.61", "3.72", "63.1",
+                                "87d2d5d"]
+    assert _cells(lines[3]) == ["`-tp 2`", "4", "537", "679", "4.61", "3.72", "63.1",
+                                "fc2d1fc"]
+    # tp2 ran at concurrency 4 only: no concurrency-16 row for it
+    assert _cells(lines[4]) == ["`-pcp 2`", "16", "1074", "1358", "9.22", "7.44", "126",
+                                "87d2d5d"]
+    assert len(lines) == 5
+    # without revision= no revision column; with the baseline's rows (default pcp1, here
+    # none) its TTFT speed-up after P50 TTFT
+    headline = bench_report.serve_table(docs[:1], ("p50_ttft_ms", "p50_tpot_ms"),
+                                        baseline="pcp2").split("\n")
+    assert _cells(headline[0]) == ["configuration", "concurrency", "P50 TTFT (ms)",
+                                   "TTFT speed-up", "P50 TPOT (ms)"]
+    assert _cells(headline[3]) == ["`-pcp 2`", "16", "1074", "1.00", "9.22"]
 
 
-def test_readme_performance_tables_are_the_ones_the_result_files_give():
-    root = os.path.join(os.path.dirname(__file__), "..")
-    results = os.path.join(root, "benchmarks", "results")
+def test_gsm8k_table_gives_points_and_distances_from_one_gpu():
+    doc = {"rows": [{"config": "pcp2-dcp2", "strict": 12.13, "flexible": 13.95,
+                     "delta_strict": -0.23, "delta_flexible": -0.08},
+                    {"config": "pcp1", "strict": 12.36, "flexible": 14.03}]}
+    lines = bench_report.gsm8k_table(doc).split("\n")
+    assert _cells(lines[2]) == ["plugin, 1 GPU", "12.36", "14.03", "+0.00", "+0.00"]
+    assert _cells(lines[3]) == ["`-pcp 2 -dcp 2`", "12.13", "13.95", "-0.23", "-0.08"]
 
-    def load(name):
+
+def test_exactness_table_counts_each_comparison_and_its_noise_floor():
+    def case(config, model, first, margin=None):
+        return {"config": config, "model": model, "passed": True, "first_divergence": first,
+                **({} if margin is None else {"max_baseline_margin": margin})}
+
+    doc = {"cases": [case("pcp2 vs pcp1", "a", None), case("pcp2 vs pcp1", "b", 11, 0.0625)],
+           "noise_floor_cases": [case("pcp1-graphs vs pcp1", "a", None)]}
+    lines = bench_report.exactness_table(doc).split("\n")
+    assert _cells(lines[0]) == ["comparison", "kind", "models", "cases", "pass",
+                                "no divergence", "widest margin"]
+    assert _cells(lines[2]) == ["pcp2 vs pcp1", "plugin", "2", "2", "2", "1", "0.0625"]
+    assert _cells(lines[3]) == ["pcp1-graphs vs pcp1", "noise floor", "1", "1", "1", "1", "-"]
+
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _results(name):
+    with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
+        return json.load(f)
+
+
+def _doc(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+def test_readme_and_docs_tables_are_the_ones_the_result_files_give():
+    readme, bench_doc = _doc("README.md"), _doc(os.path.join("docs", "benchmarks.md"))
+    ttft, serve, gsm8k = _results("ttft.json"), _results("serve.json"), _results("gsm8k.json")
+    # README: the headline tables
+    assert bench_report.timing_table(ttft) in readme
+    assert bench_report.serve_table([serve], ("p50_ttft_ms", "p50_tpot_ms")) in readme
+    assert bench_report.gsm8k_table(gsm8k) in readme
+    # docs/benchmarks.md: those and the chunked-prefill + ITL table, all serving percentiles
+    assert bench_report.timing_table(ttft) in bench_doc
+    assert bench_report.timing_table(_results("ttft-chunked.json"),
+                                     _results("itl.json")) in bench_doc
+    assert bench_report.serve_table([serve]) in bench_doc  # as bench_pcp.py table --serve
+    assert bench_report.gsm8k_table(gsm8k) in bench_doc
+    # and every table generated_tables (python scripts/bench_report.py) prints
+    for path, tables in bench_report.generated_tables(ROOT).items():
+        text = _doc(path)
+        for table in tables:
+            assert table in text, (path, table.split("\n")[0])
+
+
+def test_run_history_lists_every_result_file_with_its_revision_and_date():
+    """benchmarks/results/README.md: a row per result file (those with a ``meta``), linking
+    it and naming the revision and date of its meta."""
+    import glob
+
+    history = _doc(os.path.join("benchmarks", "results", "README.md")).split("\n")
+    here = os.path.join(ROOT, "benchmarks", "results")
+    files = [p for d in (here, os.path.join(ROOT, "tests", "gpu", "results"))
+             for p in glob.glob(os.path.join(d, "**", "*.json"), recursive=True)]
+    checked = 0
+    for path in files:
+        with open(path) as f:
+            meta = json.load(f).get("meta")
+        if meta is None:  # profiles' step summaries: profiles/README.md lists them
+            continue
+        link = f"]({os.path.relpath(path, here)})"
+        rows = [line for line in history if link in line]
+        assert rows, f"{link} missing from benchmarks/results/README.md"
+        assert meta["git_rev"][:7] in rows[0] and meta["date"] in rows[0], rows[0]
+        checked += 1
+    assert checked >= 30
+
+
+def test_readme_exactness_line_gives_the_result_files_counts():
+    readme = _doc("README.md")
+    results = os.path.join(ROOT, "tests", "gpu", "results")
+    for name in ("exactness-pcp.json", "exactness-dcp.json", "exactness-dcp-i16.json"):
         with open(os.path.join(results, name)) as f:
-            return json.load(f)
-
-    with open(os.path.join(root, "README.md")) as f:
-        readme = f.read()
-    assert bench_report.timing_table(load("ttft.json")) in readme
-    assert bench_report.timing_table(load("ttft-chunked.json"), load("itl.json")) in readme
-    assert bench_report.serve_table([load("serve.json")]) in readme
+            summary = json.load(f)["summary"]
+        assert f"{summary['passed']} of {summary['cases']}" in readme, name
 
 
 def test_run_keeps_each_engines_log_beside_the_raw_file(tmp_path, monkeypatch):

@@ -305,7 +305,7 @@ def test_context_rows_ride_in_the_kv_exchange_from_both_cache_layouts(float32_fl
     all-gather returns each rank's block as ``[P new rows | Pc context rows]``."""
     from dcp_harness import _paged_shard, make_batch
     from helpers import ThreadGroup
-    from vllm_pcp.dcp.attention import DCPAttention
+    from vllm_pcp.dcp.attention import PlannedDCPStep
     from vllm_pcp.dcp.index import context_slots
     from vllm_pcp.dcp.plan import build_dcp_plan
     from vllm_pcp.pcp.exchange import gather_kv
@@ -324,10 +324,10 @@ def test_context_rows_ride_in_the_kv_exchange_from_both_cache_layouts(float32_fl
         contexts = []
         for layout, kv in (("NHD", cache), ("HND", tuple(c.transpose(1, 2).contiguous()
                                                            for c in cache))):
-            attn = object.__new__(DCPAttention)
-            attn._kv_layout, attn.plan_ = layout, plan
-            attn.ctx_slots = context_slots(plan.ctx_gather, table, page_size)
-            contexts.append(attn.local_context(kv))
+            step = PlannedDCPStep(plan, kv_layout=layout,
+                                  context_slots=context_slots(plan.ctx_gather, table,
+                                                              page_size))
+            contexts.append(step.read_context(kv))
         local = new_k[plan.pcp.local_token_indices]
         k_buf, v_buf = gather_kv(group.rank(rank), local, -local,
                                  plan.pcp.num_padded_tokens_per_rank, contexts[0],
@@ -460,3 +460,34 @@ def test_fetched_and_queried_context_in_one_step(float32_flashinfer, world, inte
                                 context_exchange="keys", context_written_in_step=written)
     for out in outs:
         torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+def _torch_cache_write(self, layer, key, value, kv_cache, slot_mapping):
+    """vLLM's FlashInfer cache write (``reshape_and_cache_flash``) in plain torch:
+    row i of key/value to slot ``slot_mapping[i]``, -1 skipped."""
+    k_cache, v_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    page = k_cache.shape[1]
+    k_cache[slots // page, slots % page] = key[:len(slot_mapping)][keep]
+    v_cache[slots // page, slots % page] = value[:len(slot_mapping)][keep]
+
+
+@pytest.mark.parametrize("world,interleave,exchange", [
+    (2, 1, "queries"), (2, 8, "keys"), (2, 16, "auto"), (3, 8, "keys"), (4, 8, "queries")])
+def test_the_dcp_layer_gathers_writes_and_attends(float32_flashinfer, monkeypatch, world,
+                                                  interleave, exchange):
+    """The plugin's layer on a PCP x DCP step (``tests/layer_harness.py``): each rank's
+    restored output is the one-process attention and its cache holds its own tokens."""
+    import vllm.v1.attention.backends.flashinfer as vllm_flashinfer
+
+    from layer_harness import run_dcp_layer_step
+
+    monkeypatch.setattr(vllm_flashinfer, "can_use_trtllm_attention", lambda *a, **k: False)
+    monkeypatch.setattr(vllm_flashinfer.FlashInferImpl, "do_kv_cache_update",
+                        _torch_cache_write)
+    results, expect = run_dcp_layer_step(monkeypatch, world, interleave, exchange, "cpu",
+                                         torch.float32, hq=8, dim=16)
+    for out, cache, expect_cache in results:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+        assert torch.equal(cache, expect_cache)

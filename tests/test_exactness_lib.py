@@ -112,6 +112,19 @@ def test_kv_capacity_prefers_the_benchmark_pools_and_lists_small_pool_runs():
     assert got["pcp2_dcp2_tokens"] == 597000 and "pcp2-dcp2-keys" in got["source"]
 
 
+def test_kv_pool_formulas_count_every_dcp_rank_once():
+    from types import SimpleNamespace
+
+    import kernel_choice_lib
+    from kv_capacity import kv_bytes_per_token_layer, per_rank_tokens, pool_tokens
+
+    cache = SimpleNamespace(num_gpu_blocks=384, block_size=16)
+    assert (pool_tokens(cache, 1), pool_tokens(cache, 2)) == (384 * 16, 384 * 16 * 2)
+    assert per_rank_tokens(pool_tokens(cache, 2), 2) == 384 * 16
+    assert kv_bytes_per_token_layer(2, 128) == 2 * 2 * 128 * 2
+    assert kernel_choice_lib.kv_exchange_bytes(10) == 10 * kv_bytes_per_token_layer(2, 128)
+
+
 def test_small_pool_config_holds_fewer_tokens_per_rank_than_the_longest_prompt():
     import check_exactness as ce
     from exactness_lib import SINGLE_LENGTHS

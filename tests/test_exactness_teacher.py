@@ -278,22 +278,6 @@ def test_teacher_marks_cases_that_cannot_be_compared(tmp_path):
     assert result["summary"]["goal"]["pcp2"] is None  # no floors were run
 
 
-def test_collect_rebuilds_a_scoring_raw_from_worker_files(tmp_path):
-    import check_exactness as ce
-
-    paths = []
-    for config, scores in (("pcp1", [-1.0, -2.0]), ("pcp2-dcp2-i16", [-1.0, -2.5])):
-        path = tmp_path / f"m-chunked-{config}-t256.json"
-        path.write_text(json.dumps({"results": _scoring_run(config, scores)["results"]}))
-        paths.append(str(path))
-    raw, out = tmp_path / "raw.json", tmp_path / "teacher.json"
-    ce.collect(SimpleNamespace(raw=str(raw), versions='{"gpu": "g"}', worker_json=paths))
-    ce.teacher(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
-                               note="", date=""))
-    row = json.loads(out.read_text())["cases"][0]
-    assert (row["config"], row["max_abs_logprob_diff"]) == ("pcp2-dcp2-i16 vs pcp1, chunked", 0.5)
-
-
 # stand-in for check_exactness.py: one JSON line of argv per call; ``teacher`` writes --out
 FAKE_CHECK = """import json, os, sys
 args = sys.argv[1:]

@@ -15,10 +15,11 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 import vllm_pcp.backend as backend_mod
 import vllm_pcp.runner as runner_mod
 from helpers import ThreadGroup
-from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder, PCPKVExchange
+from vllm_pcp.backend import (KVExchange, PCPDCPMetadata, PCPFlashInferImpl,
+                              PCPFlashInferMetadataBuilder, PCPSplitMetadata)
 from vllm_pcp.pcp.exchange import gathered_slot_mapping
 from vllm_pcp.pcp.partition import build_pcp_metadata
-from vllm_pcp.runner import PCPModelRunner
+from vllm_pcp.runner import PCPModelRunner, PCPStep
 
 COMPUTED = [30, 0, 0, 12]
 SCHEDULED = [1, 37, 2, 9]  # decode, long prompt, short prompt, continuation
@@ -30,9 +31,11 @@ class _RecordingBuilder(PCPFlashInferMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         return SimpleNamespace(cm=common_attn_metadata)
 
-    def build_dcp(self, plan, block_table, group, exchange, graph_rows=None):
+    def build_dcp(self, plan, block_table, group, heads_gathered, exchange=None,
+                  slot_mapping=None, graph_rows=None):
         return SimpleNamespace(plan=plan, block_table=block_table, group=group,
-                               pcp_exchange=exchange, graph_rows=graph_rows)
+                               heads_gathered=heads_gathered, exchange=exchange,
+                               slot_mapping=slot_mapping, graph_rows=graph_rows)
 
 
 def _global_positions():
@@ -51,8 +54,7 @@ def _make_runner(group, rank):
     r.reorder_batch_threshold = 1
     r.pcp_dcp, r.cp_kv_cache_interleave_size = False, 1
     r.dcp_group, r.dcp_heads_gathered = r.pcp_group, False
-    r._pcp_plan = r._pcp_step = None
-    r._dcp_eager = False
+    r._step = None
     table = SimpleNamespace(get_device_tensor=lambda n: BLOCKS[:n],
                             get_numpy_array=lambda: BLOCKS.numpy(), block_size=16)
     r.input_batch = SimpleNamespace(num_reqs=len(SCHEDULED), block_table=[table],
@@ -75,8 +77,8 @@ def test_split_metadata_has_local_rows_and_gathered_slots():
     for rank in range(2):
         runner = _make_runner(group, rank)
         plan = build_pcp_metadata(COMPUTED, SCHEDULED, 2, rank, min_split_tokens=4)
-        metadata = runner._build_split_attention_metadata(plan, {0: _global_slots()})
-        cm = metadata["l0"].cm
+        metadata, inputs = runner._build_split_metadata(plan, {0: _global_slots()})
+        cm = metadata["l0"].local.cm
         assert metadata["l1"] is metadata["l0"]
         local = plan.local_token_indices
         assert torch.equal(cm.block_table_tensor, BLOCKS[plan.row_req_indices.long()])
@@ -84,9 +86,10 @@ def test_split_metadata_has_local_rows_and_gathered_slots():
         assert torch.equal(cm.positions, _global_positions()[local])
         assert torch.equal(cm.seq_lens, plan.seq_lens)
         assert cm.num_reqs == plan.num_rows and cm.num_actual_tokens == len(local)
-        assert cm.pcp_exchange.num_padded_tokens_per_rank == plan.num_padded_tokens_per_rank
-        step = runner._pcp_step
-        gathered = step.slot_mapping_by_layer["l0"]
+        assert metadata["l0"].exchange.num_padded_tokens_per_rank == \
+            plan.num_padded_tokens_per_rank
+        assert torch.equal(inputs.restore_indices, plan.restore_indices)
+        gathered = metadata["l0"].slot_mapping
         idx = plan.gathered_token_indices
         assert gathered.shape == (2 * plan.num_padded_tokens_per_rank,)
         assert torch.equal(gathered[idx >= 0], _global_slots()[idx[idx >= 0]])
@@ -111,13 +114,17 @@ def test_model_forward_restores_the_single_process_result(monkeypatch):
         runner = _make_runner(group, rank)
         runner.model = fake_model
         plan = build_pcp_metadata(COMPUTED, SCHEDULED, 2, rank, min_split_tokens=4)
-        runner._build_split_attention_metadata(plan, {0: _global_slots()})
+        runner._step = PCPStep(plan)
+        metadata, _ = runner._build_attention_metadata(slot_mappings={0: _global_slots()})
         padded_ids = torch.cat([input_ids, torch.zeros(3, dtype=input_ids.dtype)])
         padded_pos = torch.cat([positions, torch.zeros(3, dtype=positions.dtype)])
         out = runner._model_forward(padded_ids, padded_pos)
-        assert runner._pcp_step is None  # consumed
+        assert runner._step is None  # consumed
         assert contexts.ctx.batch_descriptor is None and contexts.ctx.is_padding is None
-        assert set(contexts.ctx.slot_mapping) == {"l0", "l1"}
+        # the gathered slot mapping reaches both layers through their metadata
+        assert set(metadata) == {"l0", "l1"} and contexts.ctx.slot_mapping is None
+        assert all(md.slot_mapping.shape == (2 * plan.num_padded_tokens_per_rank,)
+                   for md in metadata.values())
         return out
 
     outs = group.run(rank_fn)
@@ -136,13 +143,13 @@ def test_non_split_steps_run_stock(monkeypatch):
                         lambda self, *a, **k: calls.append("stock") or ("md", None))
     monkeypatch.setattr(GPUModelRunner, "_model_forward",
                         lambda self, *a, **k: calls.append("forward") or "hidden")
-    runner._pcp_plan = build_pcp_metadata([5, 9], [1, 1], 2, 0, min_split_tokens=4)
+    runner._step = PCPStep(build_pcp_metadata([5, 9], [1, 1], 2, 0, min_split_tokens=4))
     assert runner._build_attention_metadata(slot_mappings={0: _global_slots()}) == ("md", None)
     assert runner._model_forward(torch.zeros(2), torch.zeros(2)) == "hidden"
     # A split plan is ignored while capturing CUDA graphs.
-    runner._pcp_plan = build_pcp_metadata([0], [16], 2, 0, min_split_tokens=4)
+    runner._step = PCPStep(build_pcp_metadata([0], [16], 2, 0, min_split_tokens=4))
     runner._build_attention_metadata(for_cudagraph_capture=True, slot_mappings={})
-    assert calls == ["stock", "forward", "stock"] and runner._pcp_step is None
+    assert calls == ["stock", "forward", "stock"] and runner._step is None
 
 
 def test_prepare_inputs_plans_from_the_persistent_batch(monkeypatch):
@@ -150,8 +157,8 @@ def test_prepare_inputs_plans_from_the_persistent_batch(monkeypatch):
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     assert runner._prepare_inputs(None, np.array(SCHEDULED, np.int32)) == ("idx", None)
     expect = build_pcp_metadata(COMPUTED, SCHEDULED, 2, 1, min_split_tokens=4)
-    assert torch.equal(runner._pcp_plan.local_token_indices, expect.local_token_indices)
-    assert runner._pcp_plan.num_split_requests == 2  # the 37- and 9-token prefills
+    assert torch.equal(runner._step.plan.local_token_indices, expect.local_token_indices)
+    assert runner._step.plan.num_split_requests == 2  # the 37- and 9-token prefills
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -164,17 +171,17 @@ def test_kv_update_writes_every_ranks_tokens(monkeypatch, world):
     plans = [build_pcp_metadata(COMPUTED, SCHEDULED, world, r, min_split_tokens=2)
              for r in range(world)]
     padded = plans[0].num_padded_tokens_per_rank
-    monkeypatch.setattr(backend_mod, "_current_exchange",
-                        lambda layer: layer.exchange)
+    monkeypatch.setattr(backend_mod, "_layer_metadata", lambda layer: layer.metadata)
     k_all = torch.randn(sum(SCHEDULED), 2, 8)
     v_all = torch.randn(sum(SCHEDULED), 2, 8)
 
     def rank_fn(rank):
         impl = object.__new__(PCPFlashInferImpl)
         impl.rank, impl.pcp_world_size = rank, world
-        layer = SimpleNamespace(exchange=PCPKVExchange(group.rank(rank), padded))
+        layer = SimpleNamespace(metadata=PCPSplitMetadata(KVExchange(group.rank(rank), padded),
+                                                          "slots", None))
         local = plans[rank].local_token_indices
-        impl.do_kv_cache_update(layer, k_all[local], v_all[local], None, "slots")
+        impl.do_kv_cache_update(layer, k_all[local], v_all[local], None, "vllm's slots")
 
     group.run(rank_fn)
     idx = plans[0].gathered_token_indices
@@ -189,29 +196,29 @@ def test_kv_update_without_exchange_is_stock(monkeypatch):
     seen = []
     monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update",
                         lambda self, layer, k, v, cache, slots: seen.append(k))
-    monkeypatch.setattr(backend_mod, "_current_exchange", lambda layer: None)
+    monkeypatch.setattr(backend_mod, "_layer_metadata", lambda layer: None)
     key = torch.randn(3, 1, 4)
     impl = object.__new__(PCPFlashInferImpl)
     impl.pcp_world_size = 2
     impl.do_kv_cache_update(None, key, key, None, None)
     assert seen[0] is key
     # PCP = 1 never looks for an exchange.
-    monkeypatch.setattr(backend_mod, "_current_exchange", lambda layer: 1 / 0)
+    monkeypatch.setattr(backend_mod, "_layer_metadata", lambda layer: 1 / 0)
     impl.pcp_world_size = 1
     impl.do_kv_cache_update(None, key, key, None, None)
     assert seen[1] is key
 
 
-def test_current_exchange_reads_the_layers_metadata(monkeypatch):
-    exchange = PCPKVExchange(object(), 8)
-    ctx = SimpleNamespace(attn_metadata={"l0": SimpleNamespace(pcp_exchange=exchange),
-                                         "l1": SimpleNamespace()})
+def test_layer_metadata_reads_the_layers_entry(monkeypatch):
+    split = PCPSplitMetadata(KVExchange(object(), 8), torch.zeros(16), None)
+    stock = SimpleNamespace()
+    ctx = SimpleNamespace(attn_metadata={"l0": split, "l1": stock})
     monkeypatch.setattr(backend_mod, "is_forward_context_available", lambda: True)
     monkeypatch.setattr(backend_mod, "get_forward_context", lambda: ctx)
-    assert backend_mod._current_exchange(SimpleNamespace(layer_name="l0")) is exchange
-    assert backend_mod._current_exchange(SimpleNamespace(layer_name="l1")) is None
+    assert backend_mod._layer_metadata(SimpleNamespace(layer_name="l0")) is split
+    assert backend_mod._layer_metadata(SimpleNamespace(layer_name="l1")) is stock
     monkeypatch.setattr(backend_mod, "is_forward_context_available", lambda: False)
-    assert backend_mod._current_exchange(SimpleNamespace(layer_name="l0")) is None
+    assert backend_mod._layer_metadata(SimpleNamespace(layer_name="l0")) is None
 
 
 def test_prepare_inputs_skips_planning_without_a_split(monkeypatch):
@@ -220,11 +227,11 @@ def test_prepare_inputs_skips_planning_without_a_split(monkeypatch):
     runner.input_batch.num_prompt_tokens = np.array([30, 3, 1, 2], np.int32)
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))  # prompts below 2N = 4
-    assert runner._pcp_plan is None
+    assert runner._step is None
     # a preempted request recomputing prompt and output: its prefill is the whole length
     runner.input_batch.num_computed_tokens_cpu = np.array([30, 0, 0, 12], np.int32)
     runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))
-    assert runner._pcp_plan.num_split_requests == 1
+    assert runner._step.plan.num_split_requests == 1
 
 
 def test_every_chunk_of_a_long_prompt_is_split(monkeypatch):
@@ -237,7 +244,7 @@ def test_every_chunk_of_a_long_prompt_is_split(monkeypatch):
     runner.input_batch.num_prompt_tokens = np.array([30, 20000, 4000, 21], np.int32)
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.array([1, 40, 4000, 9], np.int32))
-    plan = runner._pcp_plan
+    plan = runner._step.plan
     assert plan.num_split_requests == 1 and plan.is_split  # the 4000-token prompt: whole
     expect = build_pcp_metadata([30, 8000, 0, 12], [1, 40, 4000, 9], 2, 1,
                                 min_split_tokens=8192,
@@ -250,7 +257,7 @@ def test_dcp_steps_plan_every_step_with_the_sharded_layout(monkeypatch):
     runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.array([1, 1, 1, 1], np.int32))  # decodes only
-    plan = runner._pcp_plan
+    plan = runner._step.plan
     assert plan.dcp_rank == 1 and plan.interleave == 8
     # vLLM's DCP slot mapping: -1 where another rank owns the token.
     slots = _global_slots().clone()
@@ -258,8 +265,8 @@ def test_dcp_steps_plan_every_step_with_the_sharded_layout(monkeypatch):
     metadata = runner._build_attention_metadata(slot_mappings={0: slots})[0]
     md = metadata["l0"]
     assert md.plan is plan and torch.equal(md.block_table, BLOCKS[:4])
-    assert md.pcp_exchange.keep_step_kv and md.pcp_exchange.read_context is None
-    gathered = runner._pcp_step.slot_mapping_by_layer["l0"]
+    assert md.exchange.num_context_rows == 0 and not md.heads_gathered
+    gathered = md.slot_mapping
     idx = plan.pcp.gathered_token_indices
     assert torch.equal(gathered[idx >= 0], slots[idx[idx >= 0]])
 
@@ -274,15 +281,16 @@ def test_the_context_exchange_knob_reaches_the_plan(monkeypatch, exchange, fetch
     runner.pcp_dcp_context_exchange = exchange
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.array(SCHEDULED, np.int32))
-    plan = runner._pcp_plan
+    plan = runner._step.plan
     if fetched:
         assert plan.ctx_gather.req.tolist() == [3] and not len(plan.ctx_split.query_index)
     else:
         assert plan.ctx_gather is None and plan.ctx_split.req.tolist() == [3, 3, 3, 3]
     # the cache write's slot mapping follows the exchange's buffer: context rows -1
-    runner._build_attention_metadata(slot_mappings={0: _global_slots()})
-    slots = runner._pcp_step.slot_mapping_by_layer["l0"]
+    md = runner._build_attention_metadata(slot_mappings={0: _global_slots()})[0]["l0"]
+    slots = md.slot_mapping
     padded = plan.pcp.num_padded_tokens_per_rank
+    assert md.exchange.num_context_rows == (plan.ctx_gather.num_padded if fetched else 0)
     blocks = slots.view(2, padded + (plan.ctx_gather.num_padded if fetched else 0))
     assert (blocks[:, padded:] == -1).all()
     assert torch.equal(blocks[:, :padded].reshape(-1), gathered_slot_mapping(
@@ -295,13 +303,13 @@ def test_dcp_decode_steps_run_stock_with_the_plugins_attention(monkeypatch):
     runner.input_batch.num_computed_tokens_cpu = np.array([30, 9, 17, 12], np.int32)
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.array([1, 1, 1, 1], np.int32))
-    plan = runner._pcp_plan
+    plan = runner._step.plan
     assert plan.decode is not None
     metadata = runner._build_attention_metadata(slot_mappings={0: _global_slots()})[0]
     md = metadata["l0"]
     assert metadata["l1"] is md and md.plan is plan and torch.equal(md.block_table, BLOCKS[:4])
     # no K/V exchange (stock cache write) and no step to restore (stock forward)
-    assert md.pcp_exchange is None and runner._pcp_step is None
+    assert md.exchange is None and runner._step.inputs is None and not runner._step.eager
     assert md.group is runner.pcp_group and md.graph_rows is None
 
 
@@ -320,21 +328,21 @@ def test_dcp_decode_steps_replay_the_padded_graph(monkeypatch):
     """vLLM pads a decode batch of 3 to the graph of 4 (num_reqs_padded): the plan
     keeps the 3 requests, the attention runs the graph of 4 rows."""
     runner = _dcp_decode_runner(monkeypatch, [30, 9, 17])
-    plan = runner._pcp_plan
+    plan = runner._step.plan
     md = runner._build_attention_metadata(num_reqs=3, num_reqs_padded=4,
                                           slot_mappings={0: _global_slots()})[0]["l0"]
     assert md.plan is plan and len(plan.decode.req) == 3 and md.graph_rows == 4
-    assert torch.equal(md.block_table, BLOCKS[:4]) and runner._pcp_step is None
+    assert torch.equal(md.block_table, BLOCKS[:4]) and runner._step.inputs is None
 
 
 def test_dcp_non_folded_decode_in_a_graph_batch_runs_eagerly(monkeypatch):
     """A uniform decode batch vLLM would replay, with a request too short for every
     rank to hold a token: the general path, whose forward switches graphs off."""
     runner = _dcp_decode_runner(monkeypatch, [30, 2, 17, 12])  # 3 tokens, interleave 8
-    assert runner._pcp_plan.decode is None
+    assert runner._step.plan.decode is None
     metadata = runner._build_attention_metadata(num_reqs=4, num_reqs_padded=4,
                                                 slot_mappings={0: _global_slots()})[0]
-    assert metadata["l0"].graph_rows is None and runner._pcp_step is not None
+    assert metadata["l0"].graph_rows is None and runner._step.inputs is not None
 
 
 def test_dcp_graph_capture_plans_vllms_dummy_decode_batch():
@@ -345,7 +353,7 @@ def test_dcp_graph_capture_plans_vllms_dummy_decode_batch():
     runner.optimistic_seq_lens_cpu = torch.tensor([17, 17, 17, 0, 0], dtype=torch.int32)
     md = runner._build_attention_metadata(num_reqs=3, for_cudagraph_capture=True,
                                           slot_mappings={0: _global_slots()})[0]["l1"]
-    assert md.graph_rows == 3 and md.pcp_exchange is None
+    assert md.graph_rows == 3 and md.exchange is None
     assert md.plan.decode.kv_len.tolist() == [8, 8, 8]  # rank 1 holds tokens 8..15
     runner.optimistic_seq_lens_cpu[:] = torch.tensor([17, 17, 0, 0, 0])
     md = runner._build_attention_metadata(num_reqs=3, for_cudagraph_capture=True,
@@ -364,31 +372,57 @@ def test_dcp_graph_capture_plans_vllms_dummy_decode_batch():
                                          slot_mappings={0: _global_slots()})
 
 
-def test_dcp_kv_update_keeps_the_step_kv_for_attention(monkeypatch):
-    """The write keeps the exchange's buffer (gathered layout, not restored) for the
-    attention; with context to fetch, each rank's stored rows ride after its block."""
+class _FakeDCPAttention:
+    """Records what a layer's forward hands the planned attention."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, step, group, q, k, v, cache):
+        self.calls.append((step, group, q.shape, k, v, getattr(cache[0], "shape", cache[0])))
+        return q * 2
+
+    def run_heads_gathered(self, step, group, q, k, v, cache):
+        self.calls.append(("heads", group, q.shape, k.shape, v.shape))
+        return q * 3
+
+
+def test_dcp_forward_gathers_the_step_kv_for_attention(monkeypatch):
+    """The forward all-gathers the step's K/V (gathered layout, not restored), writes
+    it with the gathered slot mapping and hands the same buffer to the attention; with
+    context to fetch, each rank's stored rows ride after its block. The layer's
+    separate cache-write hook writes nothing."""
     group = ThreadGroup(2)
     written = []
     monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update",
-                        lambda self, layer, k, v, cache, slots: written.append(k.shape[0]))
-    monkeypatch.setattr(backend_mod, "_current_exchange", lambda layer: layer.exchange)
+                        lambda self, layer, k, v, cache, slots: written.append(
+                            (k.shape[0], slots)))
     plans = [build_pcp_metadata(COMPUTED, SCHEDULED, 2, r, min_split_tokens=4) for r in range(2)]
     padded, restore = plans[0].num_padded_tokens_per_rank, plans[0].restore_indices
     k_all = torch.randn(sum(SCHEDULED), 1, 4)
     stored = [torch.randn(n, 2, 1, 4) for n in (3, 2)]  # each rank's context rows
 
     def rank_fn(rank, context_rows):
-        ex = PCPKVExchange(group.rank(rank), padded, keep_step_kv=True,
-                           num_context_rows=context_rows)
-        if context_rows:
-            ex.read_context = lambda kv: stored[rank] if kv == "views" else None
+        attention = _FakeDCPAttention()
+        step = SimpleNamespace(read_context=lambda kv: (
+            stored[rank] if context_rows and kv == ("views", "views") else None))
         local = plans[rank].local_token_indices
+        md = PCPDCPMetadata(attention, step, group.rank(rank),
+                            KVExchange(group.rank(rank), padded, context_rows),
+                            len(local), slot_mapping="gathered slots")
         impl = object.__new__(PCPFlashInferImpl)
-        impl.pcp_world_size, impl._kv_views = 2, lambda kv_cache: "views"
-        impl.do_kv_cache_update(
-            SimpleNamespace(exchange=ex), k_all[local], -k_all[local], "cache", None)
-        return ex.step_kv
+        impl.pcp_world_size, impl.dcp_world_size = 2, 2
+        monkeypatch.setattr(backend_mod, "_layer_metadata", lambda layer: md)
+        impl.do_kv_cache_update(None, k_all[local], -k_all[local], "cache", "vllm's slots")
+        q = torch.randn(padded, 2, 4)
+        output = torch.ones(padded, 2, 4)
+        impl.forward(None, q, k_all[local], -k_all[local], "cache", md, output)
+        torch.testing.assert_close(output[:len(local)], q[:len(local)] * 2)
+        assert (output[len(local):] == 0).all()  # pad rows zeroed
+        (_, _, _, k_buf, v_buf, _), = attention.calls
+        return k_buf, v_buf
 
+    monkeypatch.setattr(PCPFlashInferImpl, "_kv_views", lambda self, kv: ("views", "views"))
     for k_buf, v_buf in group.run(lambda r: rank_fn(r, 0)):
         assert k_buf.shape[0] == 2 * padded
         assert torch.equal(k_buf.index_select(0, restore), k_all)
@@ -400,46 +434,42 @@ def test_dcp_kv_update_keeps_the_step_kv_for_attention(monkeypatch):
         rows = restore // padded * (padded + 4) + restore % padded
         assert torch.equal(k_buf.index_select(0, rows), k_all)
         assert torch.equal(v_buf.view(2, padded + 4, 1, 4)[1, padded:padded + 2], stored[1][:, 1])
-    assert written == [2 * padded] * 2 + [2 * (padded + 4)] * 2
+    assert written == [(2 * padded, "gathered slots")] * 2 + \
+        [(2 * (padded + 4), "gathered slots")] * 2
 
 
 def test_dcp_forward_runs_the_planned_attention(monkeypatch):
-    from vllm_pcp.backend import PCPDCPMetadata
-
-    calls = []
-
-    class FakeAttention:
-        def run(self, group, q, k, v, cache):
-            calls.append((group, q.shape, k, cache[0].shape))
-            return q * 2
-
-        def run_heads_gathered(self, group, q, k, v, cache):
-            calls.append(("heads", group, q.shape, k.shape, v.shape))
-            return q * 3
-
+    written = []
+    monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update",
+                        lambda self, layer, k, v, cache, slots: written.append(slots))
     monkeypatch.setattr(backend_mod.FlashInferBackend, "get_kv_cache_stride_order",
                         staticmethod(lambda: (0, 2, 1, 3)))
     impl = object.__new__(PCPFlashInferImpl)
     impl.head_size, impl.dcp_world_size, impl.pcp_world_size = 4, 2, 2
-    ex = PCPKVExchange("group", 8, step_kv=("k", "v"))
-    md = PCPDCPMetadata(FakeAttention(), "group", ex, num_local_tokens=3)
+    attention, step = _FakeDCPAttention(), SimpleNamespace(read_context=lambda kv: None)
+    one = ThreadGroup(1).rank(0)
+    md = PCPDCPMetadata(attention, step, "group", KVExchange(one, 8), num_local_tokens=3,
+                        slot_mapping="gathered slots")
     query = torch.randn(5, 2, 4)
+    key, value = torch.randn(5, 1, 4), torch.randn(5, 1, 4)
     output = torch.zeros(5, 2, 4)
     kv_cache = torch.zeros(6, 1, 16, 8)  # (blocks, kv heads, block size, 2 * head size)
-    assert impl.forward(None, query, None, None, kv_cache, md, output) is output
+    assert impl.forward(None, query, key, value, kv_cache, md, output) is output
     torch.testing.assert_close(output[:3], query[:3] * 2)
     assert (output[3:] == 0).all()
-    assert calls == [("group", (3, 2, 4), "k", (6, 16, 1, 4))]
-    # A decode step has no exchange: the attention reads no step K/V.
+    (got_step, group, q_shape, k, v, cache_shape), = attention.calls
+    assert (got_step, group, q_shape, cache_shape) == (step, "group", (3, 2, 4), (6, 16, 1, 4))
+    assert torch.equal(k[:5], key) and k.shape == (8, 1, 4) and written == ["gathered slots"]
+    # A decode step has no exchange: the attention reads no step K/V, writes nothing.
     impl.forward(None, query, None, None, kv_cache,
-                 PCPDCPMetadata(FakeAttention(), "group", None, 3), output)
-    assert calls[-1] == ("group", (3, 2, 4), None, (6, 16, 1, 4))
+                 PCPDCPMetadata(attention, step, "group", None, 3), output)
+    assert attention.calls[-1] == (step, "group", (3, 2, 4), None, None, (6, 16, 1, 4))
+    assert written == ["gathered slots"]
     # DCP inside TP: the layer's own K/V (every rank has the step's), heads gathered
-    key, value = torch.randn(5, 1, 4), torch.randn(5, 1, 4)
     output.zero_()
     impl.forward(None, query, key, value, kv_cache,
-                 PCPDCPMetadata(FakeAttention(), "group", None, 3, heads_gathered=True), output)
-    assert calls[-1] == ("heads", "group", (3, 2, 4), (3, 1, 4), (3, 1, 4))
+                 PCPDCPMetadata(attention, step, "group", None, 3, heads_gathered=True), output)
+    assert attention.calls[-1] == ("heads", "group", (3, 2, 4), (3, 1, 4), (3, 1, 4))
     torch.testing.assert_close(output[:3], query[:3] * 3)
     # Any other metadata under DCP is a warm-up run: zeros, no stock DCP path.
     output.fill_(1)
@@ -459,9 +489,7 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
         def plan(self, plan, table, graph_rows=None, kv_gathered=True):
             self.planned = (plan, table, graph_rows)
             self.kv_gathered = kv_gathered
-
-        def local_context(self, kv):
-            return kv
+            return ("planned", table)
 
     import vllm.v1.attention.backends.utils as vllm_utils
 
@@ -478,26 +506,22 @@ def test_builder_plans_one_dcp_attention_per_builder(monkeypatch):
         parallel_config=SimpleNamespace(prefill_context_parallel_size=2))
     builder.dcp_world_size = 2
     plan = SimpleNamespace(num_local_tokens=7, ctx_gather=None)
-    first = builder.build_dcp(plan, "table", "group", "exchange")
-    second = builder.build_dcp(plan, "table2", "group", None)
+    first = builder.build_dcp(plan, "table", "group", False, "exchange", "slots")
+    second = builder.build_dcp(plan, "table2", "group", False)
     assert made == [(("ws", 8, 2, 64, 16, torch.bfloat16, 0.125, "HND"),
                      {"max_graph_rows": 16})]
     assert first.attention is second.attention
     assert second.attention.planned == (plan, "table2", None)
-    assert first.pcp_exchange == "exchange" and second.pcp_exchange is None
+    assert first.step == ("planned", "table") and second.step == ("planned", "table2")
+    assert first.exchange == "exchange" and second.exchange is None
+    assert first.slot_mapping == "slots" and second.slot_mapping is None
     assert second.num_local_tokens == 7 and second.group == "group"
-    graph = builder.build_dcp(plan, "table3", "group", None, graph_rows=4)
+    graph = builder.build_dcp(plan, "table3", "group", False, graph_rows=4)
     assert graph.num_local_tokens == 4 and graph.attention.planned == (plan, "table3", 4)
     assert not graph.heads_gathered and graph.attention.kv_gathered
-    # split chunks fetching their context: the exchange carries it
-    fetch = SimpleNamespace(num_local_tokens=7, ctx_gather=SimpleNamespace(num_padded=5))
-    exchange = PCPKVExchange("group", 8, keep_step_kv=True)
-    builder.build_dcp(fetch, "table", "group", exchange)
-    assert exchange.num_context_rows == 5 and exchange.read_context("kv") == "kv"
     # DCP inside TP (PCP = 1): the attention takes the DCP group's query heads
     builder._dcp_attention = None
-    builder.vllm_config.parallel_config.prefill_context_parallel_size = 1
-    tp = builder.build_dcp(plan, "table", "group", None)
+    tp = builder.build_dcp(plan, "table", "group", True)
     assert made[-1][0][1] == 16 and tp.heads_gathered and not tp.attention.kv_gathered
 
 
@@ -519,7 +543,7 @@ def _tp_dcp_runner(monkeypatch, computed, scheduled):
 
 def test_dcp_inside_tp_plans_over_the_dcp_group_and_splits_nothing(monkeypatch):
     runner = _tp_dcp_runner(monkeypatch, COMPUTED, SCHEDULED)
-    plan = runner._pcp_plan
+    plan = runner._step.plan
     assert plan.dcp_rank == 1 and plan.dcp_world_size == 2
     assert len(plan.ctx_split.query_index) == 0  # every row replicated: nothing split
     assert sorted(plan.pcp.local_token_indices.tolist()) == list(range(sum(SCHEDULED)))
@@ -527,7 +551,7 @@ def test_dcp_inside_tp_plans_over_the_dcp_group_and_splits_nothing(monkeypatch):
                                                 slot_mappings={0: _global_slots()})[0]
     md = metadata["l0"]
     # stock forward and cache write (every rank has the step's K/V), never a graph
-    assert md.pcp_exchange is None and runner._pcp_step is None and runner._dcp_eager
+    assert md.exchange is None and runner._step.inputs is None and runner._step.eager
     assert md.group is runner.dcp_group and md.graph_rows is None
 
 
@@ -535,7 +559,7 @@ def test_dcp_inside_tp_decode_steps_replay_graphs(monkeypatch):
     runner = _tp_dcp_runner(monkeypatch, [30, 9, 17], [1, 1, 1])
     md = runner._build_attention_metadata(num_reqs=3, num_reqs_padded=4,
                                           slot_mappings={0: _global_slots()})[0]["l0"]
-    assert md.plan.decode is not None and md.graph_rows == 4 and not runner._dcp_eager
+    assert md.plan.decode is not None and md.graph_rows == 4 and not runner._step.eager
 
 
 def test_an_eager_dcp_step_switches_the_graph_off(monkeypatch):
@@ -550,7 +574,7 @@ def test_an_eager_dcp_step_switches_the_graph_off(monkeypatch):
     from vllm.config import CUDAGraphMode
 
     assert seen["mode"] == CUDAGraphMode.NONE and ctx.batch_descriptor is None
-    assert not runner._dcp_eager  # one step only
+    assert runner._step is None  # one step only
 
 
 def test_row_buffers_hold_two_rows_per_request():

@@ -99,10 +99,10 @@ def _emulate_dcp_step(world, interleave, exchange, step, use_flags=True):
             _write(cache, table[r], torch.arange(n), k[:n], v[:n], rank, world, interleave)
         attn = DCPAttention(torch.empty(0), HQ, HKV, DIM, PAGE, torch.float32,
                             1 / math.sqrt(DIM))
-        attn.plan(plan, table)
+        step = attn.plan(plan, table)
         pcp, local = plan.pcp, plan.pcp.local_token_indices
         context_rows = 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded
-        context = attn.local_context(cache)  # read before the write, as the backend does
+        context = step.read_context(cache)  # read before the write, as the backend does
         k_buf, v_buf = gather_kv(group.rank(rank), k_step[local], v_step[local],
                                  pcp.num_padded_tokens_per_rank, context, context_rows)
         padded = pcp.num_padded_tokens_per_rank
@@ -112,7 +112,7 @@ def _emulate_dcp_step(world, interleave, exchange, step, use_flags=True):
             mine = req_of_token == r
             _write(cache, table[r], positions[mine], k_buf[rows[mine]], v_buf[rows[mine]],
                    rank, world, interleave)
-        out = attn.run(group.rank(rank), q[local], k_buf, v_buf, cache)
+        out = attn.run(step, group.rank(rank), q[local], k_buf, v_buf, cache)
         restored = restore_hidden_states(group.rank(rank), out.reshape(len(local), HQ * DIM),
                                          padded, pcp.restore_indices)
         return plan, restored.reshape(-1, HQ, DIM)
@@ -273,7 +273,7 @@ def _dcp_runner(monkeypatch, exchange, tables, computed, scheduled):
     runner.kv_cache_config = SimpleNamespace(kv_cache_groups=[object()] * len(tables))
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.array(scheduled, np.int32))
-    return runner._pcp_plan
+    return runner._step.plan
 
 
 # A (32 tokens of context in block 1) computes blocks 2 and 3; B hits blocks 1 and 2.

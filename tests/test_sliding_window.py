@@ -151,8 +151,6 @@ def test_split_rows_plan_the_window_elsewhere(sliding_window_builder, monkeypatc
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    from vllm_pcp.backend import PCPKVExchange
-
     builder = sliding_window_builder(sm90=False)
     assert (builder.window_left, builder.global_hyperparameters.window_left) == (15, 15)
     monkeypatch.setattr(flashinfer, "BatchPrefillWithPagedKVCacheWrapper",
@@ -171,10 +169,8 @@ def test_split_rows_plan_the_window_elsewhere(sliding_window_builder, monkeypatc
         max_seq_len=int(plan.seq_lens.max()), causal=True,
         block_table_tensor=torch.arange(4, dtype=torch.int32).repeat(plan.num_rows, 1),
         slot_mapping=torch.zeros(plan.num_local_tokens, dtype=torch.int64))
-    cm.pcp_exchange = PCPKVExchange(SimpleNamespace(), plan.num_padded_tokens_per_rank)
     with set_current_vllm_config(builder.vllm_config):
         metadata = builder.build(common_prefix_len=0, common_attn_metadata=cm)
-    assert metadata.pcp_exchange is cm.pcp_exchange
     [planned] = _RecordingPrefillWrapper.plans
     assert (planned["window_left"], planned["causal"]) == (WINDOW - 1, True)
     # rank 1 of 2 holds chunks 1 and 2 of 4: 16 queries each, ending at 32 and 48

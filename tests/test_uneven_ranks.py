@@ -28,8 +28,9 @@ import vllm_pcp.backend as backend_mod
 import vllm_pcp.runner as runner_mod
 from helpers import ThreadGroup
 from test_runner_cpu import _make_runner
-from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder, PCPNoRowsMetadata
+from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder, PCPSplitMetadata
 from vllm_pcp.pcp.partition import build_pcp_metadata
+from vllm_pcp.runner import PCPStep
 
 ZERO_TOKEN_STEPS = {  # (computed, scheduled): some rank gets no local token
     3: ([40], [2]), 4: ([16384], [2]), 8: ([70], [5])}
@@ -40,8 +41,7 @@ UNEQUAL_STEPS = {  # a decode beside a split prefill: local counts differ by one
 class _Builder(PCPFlashInferMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
-        return SimpleNamespace(pcp_exchange=cm.pcp_exchange,
-                               num_actual_tokens=cm.num_actual_tokens)
+        return SimpleNamespace(num_actual_tokens=cm.num_actual_tokens)
 
 
 def _expert(h: torch.Tensor, expert: int) -> torch.Tensor:
@@ -89,7 +89,8 @@ def _run_rank(group, rank, computed, scheduled, contexts, written):
     runner.positions = positions
     runner.input_batch.num_reqs = len(scheduled)
     plan = build_pcp_metadata(computed, scheduled, group.world_size, rank, min_split_tokens=2)
-    metadata = runner._build_split_attention_metadata(plan, {0: slots})["l0"]
+    runner._step = PCPStep(plan)
+    metadata = runner._build_attention_metadata(slot_mappings={0: slots})[0]["l0"]
     impl = object.__new__(PCPFlashInferImpl)
     impl.pcp_world_size, impl.dcp_world_size = group.world_size, 1
     layer = SimpleNamespace(metadata=metadata)
@@ -99,7 +100,7 @@ def _run_rank(group, rank, computed, scheduled, contexts, written):
         x = torch.stack([input_ids.float(), positions.float()], dim=1)  # [P, 2]
         model_rows.append(len(x))
         kv = x.unsqueeze(1)
-        impl.do_kv_cache_update(layer, kv, kv, rank, contexts.ctx.slot_mapping["l0"])
+        impl.do_kv_cache_update(layer, kv, kv, rank, "vllm's local slot mapping")
         out = impl.forward(layer, x, kv, kv, None, metadata, torch.empty_like(x))
         assert torch.isfinite(out).all()  # pad rows included: MoE routing reads them
         return _moe(group, out + x)
@@ -115,8 +116,7 @@ def _patch_layers(monkeypatch, written):
     monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update",
                         lambda self, layer, k, v, cache, slots: written.__setitem__(
                             cache, dict(zip(slots.tolist(), k[:, 0].tolist()))))
-    monkeypatch.setattr(backend_mod, "_current_exchange",
-                        lambda layer: layer.metadata.pcp_exchange)
+    monkeypatch.setattr(backend_mod, "_layer_metadata", lambda layer: layer.metadata)
 
 
 def _check_step(outs, rows, written, computed, scheduled, world):
@@ -162,10 +162,11 @@ def test_a_rank_without_rows_plans_no_kernel(monkeypatch):
     runner.input_batch.num_reqs = 1
     plan = build_pcp_metadata([40], [2], 3, 1, min_split_tokens=2)
     assert plan.num_local_tokens == 0 and plan.num_padded_tokens_per_rank == 1
-    metadata = runner._build_split_attention_metadata(plan, {0: torch.tensor([7, 8])})
-    assert isinstance(metadata["l0"], PCPNoRowsMetadata) and metadata["l1"] is not None
-    assert metadata["l0"].pcp_exchange.num_padded_tokens_per_rank == 1
-    assert runner._pcp_step.model_input_indices.tolist() == [0]  # one pad row
+    metadata, inputs = runner._build_split_metadata(plan, {0: torch.tensor([7, 8])})
+    assert isinstance(metadata["l0"], PCPSplitMetadata) and metadata["l0"].local is None
+    assert metadata["l1"] is not None
+    assert metadata["l0"].exchange.num_padded_tokens_per_rank == 1
+    assert inputs.model_input_indices.tolist() == [0]  # one pad row
     impl = object.__new__(PCPFlashInferImpl)
     out = impl.forward(None, None, None, None, None, metadata["l0"], torch.ones(1, 4))
     assert (out == 0).all()

@@ -1,23 +1,26 @@
 """FlashInfer attention with prefill context parallelism.
 
-On a PCP step the runner hands every layer local attention rows (each rank's
-DualChunkSwap chunks) and, through the forward context, a slot mapping of the
-*gathered* layout. The KV write then becomes: all-gather the new K/V of every
-rank (one collective of ``N * P`` rows; with DCP also the context rows that
-split chunks fetch, ``N * Pc``), write them into this rank's paged cache
-(slots of tokens another DCP rank owns, and of context rows, are -1). With
-DCP = 1 attention is FlashInfer's own: each local chunk attends causally over
-the paged cache, and the bottom-right causal mask places the chunk at its
-absolute offset. With DCP == PCP the cache holds a shard only, and
-:mod:`vllm_pcp.dcp.attention` runs the step; so it does for DCP inside TP at
-PCP = 1 (``-tp N -dcp N`` with FLASHINFER named), whose ranks hold every token
-and their own query heads.
-Steps without split prefills at DCP = 1, and PCP = 1 without DCP, run exactly
-as stock FlashInfer.
+The runner gives every layer of a step the plugin runs one metadata object,
+shared by the layers of a KV cache group, that carries the whole step:
+
+    PCPSplitMetadata   split step, whole cache on every rank (DCP = 1)
+      cache write      all-gather the new K/V of every rank (one collective of
+                       ``N * P`` rows), write them with the gathered slot mapping
+      attention        vLLM's FlashInfer over this rank's local rows (its
+                       DualChunkSwap chunks): each attends causally over the
+                       paged cache, the bottom-right causal mask placing the
+                       chunk at its absolute offset
+    PCPDCPMetadata     KV cache sharded (DCP == PCP, or DCP inside TP at PCP = 1)
+      forward          read the context rows split chunks fetch, all-gather new
+                       K/V and context (``N * (P + Pc)`` rows), write this rank's
+                       share (slots of tokens another rank owns are -1), then
+                       :mod:`vllm_pcp.dcp.attention`; a decode step (and DCP
+                       inside TP) keeps vLLM's cache write
+
+Any other step runs exactly as stock FlashInfer.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,44 +32,60 @@ from vllm.v1.attention.backends.flashinfer import (FlashInferBackend, FlashInfer
 from vllm_pcp.pcp.exchange import gather_kv
 
 
-@dataclass
-class PCPKVExchange:
-    """What a layer needs for the KV exchange of one PCP step.
+@dataclass(frozen=True)
+class KVExchange:
+    """The K/V all-gather of one PCP step, the same for every layer.
 
-    With ``keep_step_kv`` (DCP) the cache write also keeps this layer's gathered
-    K/V buffer in ``step_kv`` for the attention that follows it (the next
-    layer's write replaces it). With ``read_context`` the buffer also carries
-    the context rows each rank stores for the split chunks (``num_context_rows``
-    per rank), read from the layer's cache before the write.
+    ``num_context_rows`` (PCP x DCP with ``context_exchange="keys"``): the
+    buffer also carries the context rows each rank stores for the split chunks.
     """
 
     group: object  # vLLM GroupCoordinator of the PCP ranks
     num_padded_tokens_per_rank: int  # P, identical on every rank
-    keep_step_kv: bool = False
     num_context_rows: int = 0  # Pc, identical on every rank
-    read_context: Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
-    step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gather(self, key: torch.Tensor, value: torch.Tensor,
+               context: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's new K/V (and context rows): :func:`vllm_pcp.pcp.exchange.gather_kv`."""
+        return gather_kv(self.group, key, value, self.num_padded_tokens_per_rank, context,
+                         self.num_context_rows)
+
+
+@dataclass
+class PCPSplitMetadata:
+    """A layer's attention metadata on a split step with the whole cache on every
+    rank (DCP = 1). The cache write all-gathers the step's K/V and writes it with
+    the gathered slot mapping; attention is vLLM's FlashInfer over this rank's
+    local rows (``local``). ``local`` is None on a rank with no local rows (N >= 3
+    and a split chunk shorter than 2N tokens): its model input is pad rows only,
+    attention writes zeros, and the layer still joins the exchange."""
+
+    exchange: KVExchange
+    slot_mapping: torch.Tensor  # [N * P] gathered layout, -1 where nothing is written
+    local: FlashInferMetadata | None
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return 0 if self.local is None else self.local.num_actual_tokens
 
 
 @dataclass
 class PCPDCPMetadata:
-    """Attention metadata of a PCP x DCP step (replaces FlashInferMetadata)."""
+    """A layer's attention metadata on a step with the KV cache sharded (DCP).
 
-    attention: object  # vllm_pcp.dcp.attention.DCPAttention, planned for the step
+    With ``exchange`` (a split or prefill step at PCP > 1) the layer's forward
+    reads the context rows to send, all-gathers the step's K/V, writes this
+    rank's share of it (``slot_mapping``) and attends; without (a pure decode
+    step; DCP inside TP) vLLM's cache write runs first, with its own slot mapping.
+    """
+
+    attention: object  # vllm_pcp.dcp.attention.DCPAttention
+    step: object  # its PlannedDCPStep for this step
     group: object  # vLLM GroupCoordinator of the DCP ranks (= the PCP ranks at PCP > 1)
-    pcp_exchange: PCPKVExchange | None  # None on a decode step: stock cache write
+    exchange: KVExchange | None
     num_local_tokens: int
-    heads_gathered: bool = False  # DCP inside TP: query heads all-gathered, K/V of the layer
-
-
-@dataclass
-class PCPNoRowsMetadata:
-    """Attention metadata of a rank with no local rows in a split step (N >= 3 and a
-    split chunk shorter than 2N tokens). Its model input is pad rows only: attention
-    writes zeros, while the layer still joins the step's K/V exchange."""
-
-    pcp_exchange: PCPKVExchange
-    num_actual_tokens: int = 0
+    heads_gathered: bool = False  # DCP inside TP: query heads all-gathered
+    slot_mapping: torch.Tensor | None = None  # [N * (P + Pc)] with ``exchange``
 
 
 class PCPFlashInferImpl(FlashInferImpl):
@@ -83,15 +102,12 @@ class PCPFlashInferImpl(FlashInferImpl):
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor,
                            value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        exchange = _current_exchange(layer) if self.pcp_world_size > 1 else None
-        if exchange is not None:
-            context = (None if exchange.read_context is None
-                       else exchange.read_context(self._kv_views(kv_cache)))
-            key, value = gather_kv(exchange.group, key, value,
-                                   exchange.num_padded_tokens_per_rank, context,
-                                   exchange.num_context_rows)
-            if exchange.keep_step_kv:
-                exchange.step_kv = (key, value)
+        metadata = _layer_metadata(layer) if self.pcp_world_size > 1 else None
+        if isinstance(metadata, PCPSplitMetadata):
+            key, value = metadata.exchange.gather(key, value)
+            slot_mapping = metadata.slot_mapping
+        elif isinstance(metadata, PCPDCPMetadata) and metadata.exchange is not None:
+            return  # the layer's forward gathers, writes and attends
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,30 +119,40 @@ class PCPFlashInferImpl(FlashInferImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        if isinstance(attn_metadata, PCPNoRowsMetadata):
-            return output.fill_(0)
-        if not isinstance(attn_metadata, PCPDCPMetadata):
-            if self.dcp_world_size > 1:
-                # DCP on FlashInfer is the plugin's (vLLM's own is refused): every
-                # engine step and graph capture carries PCPDCPMetadata; anything else
-                # is a profiling or warm-up run. Like vLLM's profiling run: zeros.
+        if isinstance(attn_metadata, PCPDCPMetadata):
+            return self._forward_dcp(layer, query, key, value, kv_cache, attn_metadata,
+                                     output, output_scale)
+        if isinstance(attn_metadata, PCPSplitMetadata):
+            if attn_metadata.local is None:
                 return output.fill_(0)
-            super().forward(layer, query, key, value, kv_cache, attn_metadata,
+            super().forward(layer, query, key, value, kv_cache, attn_metadata.local,
                             output, output_scale, output_block_scale)
-            if getattr(attn_metadata, "pcp_exchange", None) is not None:
-                _zero_pad_rows(output, attn_metadata.num_actual_tokens)
+            _zero_pad_rows(output, attn_metadata.num_actual_tokens)
             return output
+        if self.dcp_world_size > 1:
+            # DCP on FlashInfer is the plugin's (vLLM's own is refused): every engine
+            # step and graph capture carries PCPDCPMetadata; anything else is a
+            # profiling or warm-up run. Like vLLM's profiling run: zeros.
+            return output.fill_(0)
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                               output_scale, output_block_scale)
+
+    def _forward_dcp(self, layer, query, key, value, kv_cache, metadata: PCPDCPMetadata,
+                     output, output_scale):
         if output_scale is not None:
             raise NotImplementedError("PCP x DCP does not fuse output quantization")
-        exchange, n = attn_metadata.pcp_exchange, attn_metadata.num_local_tokens
-        k_step, v_step = (None, None) if exchange is None else exchange.step_kv
-        kv = self._kv_views(kv_cache)
-        if attn_metadata.heads_gathered:  # every rank holds the step's K/V: the layer's
-            out = attn_metadata.attention.run_heads_gathered(
-                attn_metadata.group, query[:n], key[:n], value[:n], kv)
+        exchange, n = metadata.exchange, metadata.num_local_tokens
+        attention, step, kv = metadata.attention, metadata.step, self._kv_views(kv_cache)
+        if metadata.heads_gathered:  # every rank holds the step's K/V: the layer's
+            out = attention.run_heads_gathered(step, metadata.group, query[:n], key[:n],
+                                               value[:n], kv)
         else:
-            out = attn_metadata.attention.run(attn_metadata.group, query[:n], k_step, v_step,
-                                              kv)
+            k_step = v_step = None
+            if exchange is not None:  # context read before this step's write
+                k_step, v_step = exchange.gather(key, value, step.read_context(kv))
+                super().do_kv_cache_update(layer, k_step, v_step, kv_cache,
+                                           metadata.slot_mapping)
+            out = attention.run(step, metadata.group, query[:n], k_step, v_step, kv)
         output[:n].copy_(out)
         if exchange is not None:
             _zero_pad_rows(output, n)
@@ -134,7 +160,7 @@ class PCPFlashInferImpl(FlashInferImpl):
 
 
 class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
-    """Stock planning; carries the step's :class:`PCPKVExchange` to the layers.
+    """Stock planning of a split step's local rows, and one plan per PCP x DCP step.
 
     A split request is two attention rows on every rank (its chunks r and
     2N-1-r), so a PCP step has up to ``2 * max_num_seqs`` rows: the builder's
@@ -155,35 +181,31 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         if parallel.prefill_context_parallel_size > 1:
             grow_row_buffers(self, 2 * vllm_config.scheduler_config.max_num_seqs)
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        metadata.pcp_exchange = getattr(common_attn_metadata, "pcp_exchange", None)
-        return metadata
-
-    def build_dcp(self, plan, block_table: torch.Tensor, group,
-                  exchange: PCPKVExchange | None,
+    def build_dcp(self, plan, block_table: torch.Tensor, group, heads_gathered: bool,
+                  exchange: KVExchange | None = None, slot_mapping: torch.Tensor | None = None,
                   graph_rows: int | None = None) -> PCPDCPMetadata:
-        """Plan a PCP x DCP step (``plan``: a DCPAttentionPlan) once for all layers;
-        ``graph_rows``: a pure decode step run as the full CUDA graph of that size."""
+        """Plan a PCP x DCP step (``plan``: a DCPAttentionPlan) once for all layers.
+
+        ``heads_gathered``: DCP inside TP (PCP = 1), the DCP ranks hold different
+        query heads. ``exchange`` and ``slot_mapping`` (gathered layout): steps whose
+        layers all-gather K/V. ``graph_rows``: a pure decode step run as the full
+        CUDA graph of that size."""
         if self._dcp_attention is None:
             from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
             from vllm_pcp.dcp.attention import DCPAttention
 
-            # DCP inside TP gathers the query heads of the DCP group
-            heads = self.num_qo_heads * (self.dcp_world_size if _heads_gathered(self) else 1)
+            heads = self.num_qo_heads * (self.dcp_world_size if heads_gathered else 1)
             self._dcp_attention = DCPAttention(
                 self._get_workspace_buffer(), heads, self.num_kv_heads,
                 self.head_dim, self.page_size, self.q_data_type_prefill,
                 self.global_hyperparameters.sm_scale, get_kv_cache_layout(),
                 max_graph_rows=_max_decode_graph_rows(self.vllm_config))
-        self._dcp_attention.plan(plan, block_table, graph_rows,
-                                 kv_gathered=not _heads_gathered(self))
-        if exchange is not None and plan.ctx_gather is not None:  # context rides along
-            exchange.num_context_rows = plan.ctx_gather.num_padded
-            exchange.read_context = self._dcp_attention.local_context
-        return PCPDCPMetadata(self._dcp_attention, group, exchange,
-                              graph_rows or plan.num_local_tokens, _heads_gathered(self))
+        step = self._dcp_attention.plan(plan, block_table, graph_rows,
+                                        kv_gathered=not heads_gathered)
+        return PCPDCPMetadata(self._dcp_attention, step, group, exchange,
+                              graph_rows or plan.num_local_tokens, heads_gathered,
+                              slot_mapping)
 
 
 def _zero_pad_rows(output: torch.Tensor, num_actual_tokens: int) -> None:
@@ -205,11 +227,6 @@ def _dcp_unplanned_settings(impl: FlashInferImpl) -> list[str]:
     if impl.sinks is not None:
         out.append("attention sinks")
     return out
-
-
-def _heads_gathered(builder) -> bool:
-    """DCP inside TP (PCP = 1): the DCP ranks hold different query heads."""
-    return builder.vllm_config.parallel_config.prefill_context_parallel_size == 1
 
 
 def _max_decode_graph_rows(vllm_config) -> int:
@@ -246,10 +263,11 @@ class PCPFlashInferBackend(FlashInferBackend):
         return PCPFlashInferMetadataBuilder
 
 
-def _current_exchange(layer: torch.nn.Module) -> PCPKVExchange | None:
+def _layer_metadata(layer: torch.nn.Module):
+    """The layer's attention metadata of the running step (None outside a forward)."""
     if not is_forward_context_available():
         return None
     metadata = get_forward_context().attn_metadata
     if isinstance(metadata, dict):
         metadata = metadata.get(layer.layer_name)
-    return getattr(metadata, "pcp_exchange", None)
+    return metadata

@@ -6,15 +6,18 @@ the two seams needed here, ``_build_attention_metadata`` and
 ``_model_forward``, so the subclass adds PCP without touching the rest of
 the step (scheduling state, sampling, async output, logprobs).
 
-One step::
+One step is one :class:`PCPStep`::
 
     execute_model (stock)
-      _prepare_inputs     stock global ids, positions, slot mapping; then
-                          partition.build_pcp_metadata -> self._pcp_plan
+      _prepare_inputs     stock global ids, positions, slot mapping; then the
+                          step planned from the scheduler output (the same on
+                          every rank): its split (partition.build_pcp_metadata)
+                          or its DCP plan (dcp.plan.build_dcp_plan)
       _build_attention_metadata
-                          split step: local rows -> CommonAttentionMetadata ->
-                          FlashInfer builder (one plan per step); the gathered
-                          slot mapping and the KV exchange travel with it
+                          one metadata object per KV cache group carries the
+                          step to the layers (backend.PCPSplitMetadata /
+                          PCPDCPMetadata: K/V exchange, gathered slot mapping,
+                          the FlashInfer plan); the step gets its model inputs
       _model_forward      model on the local tokens only; every attention layer
                           all-gathers K/V before its cache write; the hidden
                           states are all-gathered and restored to global order
@@ -54,26 +57,39 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_pcp.backend import PCPFlashInferMetadataBuilder, PCPKVExchange, PCPNoRowsMetadata
+from vllm_pcp.backend import KVExchange, PCPFlashInferMetadataBuilder, PCPSplitMetadata
 from vllm_pcp.config import PCPKnobs, min_split_tokens
 from vllm_pcp.dcp.plan import DCPAttentionPlan, build_dcp_plan, min_folded_seq_len
 from vllm_pcp.dcp.prefix import context_written_in_step
 from vllm_pcp.pcp.exchange import (gathered_slot_mapping, restore_hidden_states,
-                               with_context_rows)
+                                   with_context_rows)
 from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, build_pcp_metadata,
-                                split_requests)
+                                    split_requests)
 
 logger = init_logger("vllm.vllm_pcp.runner")
 
 
 @dataclass
-class _PCPStep:
-    """Device-side view of one split step, consumed by ``_model_forward``."""
+class SplitInputs:
+    """A split step's model inputs on the device: what ``_model_forward`` runs."""
 
     model_input_indices: torch.Tensor  # [P] int64: local tokens, then pad rows
     restore_indices: torch.Tensor  # [T] int64
     num_padded_tokens_per_rank: int
-    slot_mapping_by_layer: dict[str, torch.Tensor]  # gathered layout, [N * P]
+
+
+@dataclass
+class PCPStep:
+    """One engine step as the plugin runs it.
+
+    Planned by ``_prepare_inputs`` from the scheduler output (so the same on
+    every rank), completed by ``_build_attention_metadata`` and consumed by
+    ``_model_forward``; a step without it runs stock.
+    """
+
+    plan: PrefillContextParallelMetadata | DCPAttentionPlan
+    inputs: SplitInputs | None = None  # set for steps whose tokens are split
+    eager: bool = False  # a batch vLLM padded for a CUDA graph that must run eagerly
 
 
 class PCPModelRunner(GPUModelRunner):
@@ -86,9 +102,7 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_min_split_tokens = min_split_tokens(knobs, self.pcp_world_size)
         self.pcp_dcp_context_exchange = knobs.dcp_context_exchange
         self.pcp_dcp = self._check_dcp(vllm_config)
-        self._pcp_plan: PrefillContextParallelMetadata | DCPAttentionPlan | None = None
-        self._pcp_step: _PCPStep | None = None
-        self._dcp_eager = False  # a DCP step that must not replay a CUDA graph
+        self._step: PCPStep | None = None  # from _prepare_inputs to _model_forward
         logger.info("PCP model runner: rank %d of %d, prefills of >= %d tokens are split, "
                     "KV cache %s", self.pcp_rank, self.pcp_world_size,
                     self.pcp_min_split_tokens,
@@ -122,18 +136,16 @@ class PCPModelRunner(GPUModelRunner):
         # a prompt's length decides, so that every chunk of a long one is split
         prefill_lens = np.maximum(self.input_batch.num_prompt_tokens[:num_reqs],
                                   computed + scheduled)
+        self._step = None
         if self.pcp_dcp:  # a sharded cache needs the plugin's attention every step
-            self._pcp_plan = self._plan_dcp_step(
+            self._step = PCPStep(self._plan_dcp_step(
                 computed, scheduled, prefill_lens,
-                self._context_written_in_step(computed, scheduled, prefill_lens))
-            return result
-        if not split_requests(scheduled, self.pcp_min_split_tokens, prefill_lens).any():
-            self._pcp_plan = None  # nothing to split: decodes and short prompts only
-            return result
-        self._pcp_plan = build_pcp_metadata(
-            computed, scheduled, self.pcp_world_size, self.pcp_rank,
-            min_split_tokens=self.pcp_min_split_tokens,
-            decode_threshold=self.reorder_batch_threshold or 1, prefill_lens=prefill_lens)
+                self._context_written_in_step(computed, scheduled, prefill_lens)))
+        elif split_requests(scheduled, self.pcp_min_split_tokens, prefill_lens).any():
+            self._step = PCPStep(build_pcp_metadata(
+                computed, scheduled, self.pcp_world_size, self.pcp_rank,
+                min_split_tokens=self.pcp_min_split_tokens,
+                decode_threshold=self.reorder_batch_threshold or 1, prefill_lens=prefill_lens))
         return result
 
     def _plan_dcp_step(self, num_computed_tokens, num_scheduled_tokens,
@@ -173,56 +185,64 @@ class PCPModelRunner(GPUModelRunner):
         return hit
 
     def _build_attention_metadata(self, *args, **kwargs):
-        plan, self._pcp_plan = self._pcp_plan, None
-        self._pcp_step, self._dcp_eager = None, False
-        if self.pcp_dcp and kwargs.get("for_cudagraph_capture"):
-            return self._build_dcp_capture_metadata(kwargs["num_reqs"]), None
-        if plan is None or kwargs.get("for_cudagraph_capture") or kwargs.get("ubatch_slices"):
+        step, self._step = self._step, None
+        if kwargs.get("for_cudagraph_capture"):
+            if self.pcp_dcp:
+                return self._build_dcp_capture_metadata(kwargs["num_reqs"]), None
+            return super()._build_attention_metadata(*args, **kwargs)
+        plan = None if step is None else step.plan
+        if plan is None or kwargs.get("ubatch_slices") or not (
+                isinstance(plan, DCPAttentionPlan) or plan.is_split):
             return super()._build_attention_metadata(*args, **kwargs)
         if isinstance(plan, DCPAttentionPlan):
             if plan.decode is not None:  # num_reqs_padded: vLLM replays a full graph
-                return self._build_dcp_decode_metadata(plan, kwargs.get("num_reqs_padded")), None
-            if self.dcp_heads_gathered:  # stock forward, never a graph replay
-                self._dcp_eager = True
-                return self._build_dcp_decode_metadata(plan), None
-            return self._build_dcp_attention_metadata(plan, kwargs["slot_mappings"]), None
-        if not plan.is_split:
-            return super()._build_attention_metadata(*args, **kwargs)
-        return self._build_split_attention_metadata(plan, kwargs["slot_mappings"]), None
+                metadata = self._build_dcp_decode_metadata(plan, kwargs.get("num_reqs_padded"))
+            elif self.dcp_heads_gathered:  # stock forward, never a graph replay
+                step.eager = True
+                metadata = self._build_dcp_decode_metadata(plan)
+            else:
+                metadata, step.inputs = self._build_dcp_split_metadata(plan,
+                                                                       kwargs["slot_mappings"])
+        else:
+            metadata, step.inputs = self._build_split_metadata(plan, kwargs["slot_mappings"])
+        self._step = step  # for _model_forward
+        return metadata, None
 
-    def _build_dcp_attention_metadata(self, plan: DCPAttentionPlan,
-                                      slot_mappings: dict[int, torch.Tensor]) -> dict:
-        """Per-layer PCP x DCP metadata and the step's ``_PCPStep``. vLLM's slot
-        mapping already holds -1 for tokens another DCP rank owns."""
+    @staticmethod
+    def _split_inputs(plan: PrefillContextParallelMetadata, device) -> SplitInputs:
+        return SplitInputs(plan.model_input_indices.to(device, non_blocking=True),
+                           plan.restore_indices.to(device, non_blocking=True),
+                           plan.num_padded_tokens_per_rank)
+
+    def _build_dcp_split_metadata(self, plan: DCPAttentionPlan,
+                                  slot_mappings: dict[int, torch.Tensor]):
+        """Per-layer PCP x DCP metadata and the step's inputs. vLLM's slot mapping
+        already holds -1 for tokens another DCP rank owns."""
         dev, pcp = self.device, plan.pcp
-        gathered = pcp.gathered_token_indices
+        gathered, num_context_rows = pcp.gathered_token_indices, 0
         if plan.ctx_gather is not None:  # context rows ride in the K/V exchange's buffer
+            num_context_rows = plan.ctx_gather.num_padded
             gathered = with_context_rows(gathered, pcp.num_padded_tokens_per_rank,
-                                         plan.ctx_gather.num_padded)
+                                         num_context_rows)
         gathered = gathered.to(dev, non_blocking=True)
-        restore = pcp.restore_indices.to(dev, non_blocking=True)
-        attn_metadata, slot_by_layer = {}, {}
+        exchange = KVExchange(self.pcp_group, pcp.num_padded_tokens_per_rank, num_context_rows)
+        attn_metadata = {}
         num_reqs = self.input_batch.num_reqs
         for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
             table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
-            slots_gathered = gathered_slot_mapping(slot_mappings[gid], gathered)
+            slots = gathered_slot_mapping(slot_mappings[gid], gathered)
             for attn_group in self.attn_groups[gid]:
-                builder = self._pcp_builder(attn_group)
-                exchange = PCPKVExchange(self.pcp_group, pcp.num_padded_tokens_per_rank,
-                                         keep_step_kv=True)
-                metadata = builder.build_dcp(plan, table, self.dcp_group, exchange)
+                metadata = self._pcp_builder(attn_group).build_dcp(
+                    plan, table, self.dcp_group, False, exchange, slots)
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata
-                    slot_by_layer[name] = slots_gathered
-        self._pcp_step = _PCPStep(pcp.model_input_indices.to(dev, non_blocking=True), restore,
-                                  pcp.num_padded_tokens_per_rank, slot_by_layer)
-        return attn_metadata
+        return attn_metadata, self._split_inputs(pcp, dev)
 
     def _build_dcp_decode_metadata(self, plan: DCPAttentionPlan,
                                    graph_rows: int | None = None) -> dict:
         """A step where every rank runs every token (a pure decode step; any step at
-        PCP = 1): each writes the tokens it owns with vLLM's slot mapping, and needs
-        no ``_PCPStep`` (nothing to restore). ``graph_rows``: the batch size of the
+        PCP = 1): each writes the tokens it owns with vLLM's slot mapping, and has
+        no split inputs (nothing to restore). ``graph_rows``: the batch size of the
         full CUDA graph the step replays."""
         attn_metadata = {}
         num_rows = graph_rows or self.input_batch.num_reqs
@@ -230,7 +250,8 @@ class PCPModelRunner(GPUModelRunner):
             table = self.input_batch.block_table[gid].get_device_tensor(num_rows)
             for attn_group in self.attn_groups[gid]:
                 metadata = self._pcp_builder(attn_group).build_dcp(
-                    plan, table, self.dcp_group, None, graph_rows)
+                    plan, table, self.dcp_group, self.dcp_heads_gathered,
+                    graph_rows=graph_rows)
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata
         return attn_metadata
@@ -260,45 +281,35 @@ class PCPModelRunner(GPUModelRunner):
                 f"{attn_group.layer_names[:1]} uses {type(builder).__name__}")
         return builder
 
-    def _build_split_attention_metadata(self, plan: PrefillContextParallelMetadata,
-                                        slot_mappings: dict[int, torch.Tensor]) -> dict:
-        """Per-layer metadata of the local rows, and the step's ``_PCPStep``. A rank
-        with no local rows gets :class:`PCPNoRowsMetadata`: it plans no kernel but
-        takes part in the K/V exchange of every layer."""
+    def _build_split_metadata(self, plan: PrefillContextParallelMetadata,
+                              slot_mappings: dict[int, torch.Tensor]):
+        """Per-layer metadata of a split step at DCP = 1 and the step's inputs: vLLM's
+        FlashInfer plan of the local rows (None on a rank without rows, which plans
+        no kernel but takes part in the K/V exchange of every layer)."""
         dev = self.device
         gathered = plan.gathered_token_indices.to(dev, non_blocking=True)
-        exchange = PCPKVExchange(self.pcp_group, plan.num_padded_tokens_per_rank)
-        slots_gathered = {gid: gathered_slot_mapping(slot_mappings[gid], gathered)
-                          for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups)}
-        if plan.num_rows == 0:
-            attn_metadata = self._no_rows_metadata(exchange)
-        else:
-            attn_metadata = self._local_rows_metadata(plan, slot_mappings, exchange)
-        slot_by_layer = {name: slots_gathered[gid] for gid, name in self._layer_names()}
-        self._pcp_step = _PCPStep(plan.model_input_indices.to(dev, non_blocking=True),
-                                  plan.restore_indices.to(dev, non_blocking=True),
-                                  plan.num_padded_tokens_per_rank, slot_by_layer)
-        return attn_metadata
-
-    def _layer_names(self):
-        """``(kv cache group, layer name)`` of every attention layer."""
+        exchange = KVExchange(self.pcp_group, plan.num_padded_tokens_per_rank)
+        attn_metadata = {}
         for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
+            slots = gathered_slot_mapping(slot_mappings[gid], gathered)
+            cm = self._local_rows(plan, slot_mappings[gid], gid) if plan.num_rows else None
             for attn_group in self.attn_groups[gid]:
+                local = None if cm is None else self._pcp_builder(attn_group).build(
+                    common_prefix_len=0, common_attn_metadata=cm)
+                metadata = PCPSplitMetadata(exchange, slots, local)
                 for name in attn_group.layer_names:
-                    yield gid, name
+                    attn_metadata[name] = metadata
+        return attn_metadata, self._split_inputs(plan, dev)
 
-    def _no_rows_metadata(self, exchange: PCPKVExchange) -> dict:
-        return {name: PCPNoRowsMetadata(exchange) for _, name in self._layer_names()}
-
-    def _local_rows_metadata(self, plan: PrefillContextParallelMetadata,
-                             slot_mappings: dict[int, torch.Tensor],
-                             exchange: PCPKVExchange) -> dict:
-        """The FlashInfer builder's metadata of this rank's local rows, per layer."""
+    def _local_rows(self, plan: PrefillContextParallelMetadata, slot_mapping: torch.Tensor,
+                    gid: int) -> CommonAttentionMetadata:
+        """This rank's local rows as vLLM's attention input, for KV cache group ``gid``."""
         dev = self.device
         local = plan.local_token_indices.to(dev, non_blocking=True)
         row_req = plan.row_req_indices.to(dev, dtype=torch.int64, non_blocking=True)
         q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
-        base = dict(
+        table = self.input_batch.block_table[gid].get_device_tensor(self.input_batch.num_reqs)
+        return CommonAttentionMetadata(
             query_start_loc=plan.query_start_loc.to(dev, non_blocking=True),
             query_start_loc_cpu=plan.query_start_loc,
             seq_lens=plan.seq_lens.to(dev, non_blocking=True),
@@ -311,28 +322,15 @@ class PCPModelRunner(GPUModelRunner):
             max_seq_len=int(plan.seq_lens.max()),
             causal=True,
             positions=self.positions.index_select(0, local),
-        )
-        attn_metadata = {}
-        num_reqs = self.input_batch.num_reqs
-        for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
-            table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
-            cm = CommonAttentionMetadata(
-                block_table_tensor=table.index_select(0, row_req),
-                slot_mapping=slot_mappings[gid].index_select(0, local), **base)
-            cm.pcp_exchange = exchange
-            for attn_group in self.attn_groups[gid]:
-                metadata = self._pcp_builder(attn_group).build(common_prefix_len=0,
-                                                               common_attn_metadata=cm)
-                for name in attn_group.layer_names:
-                    attn_metadata[name] = metadata
-        return attn_metadata
+            block_table_tensor=table.index_select(0, row_req),
+            slot_mapping=slot_mapping.index_select(0, local))
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
                        inputs_embeds=None, **model_kwargs):
-        step, self._pcp_step = self._pcp_step, None
-        if step is None:
-            if self._dcp_eager:  # a uniform decode batch vLLM padded for a graph
-                self._dcp_eager = False
+        step, self._step = self._step, None
+        inputs = None if step is None else step.inputs
+        if inputs is None:
+            if step is not None and step.eager:  # a decode batch vLLM padded for a graph
                 ctx = get_forward_context()
                 ctx.cudagraph_runtime_mode, ctx.batch_descriptor = CUDAGraphMode.NONE, None
             return super()._model_forward(input_ids, positions, intermediate_tensors,
@@ -340,13 +338,12 @@ class PCPModelRunner(GPUModelRunner):
         if inputs_embeds is not None or intermediate_tensors is not None:
             raise RuntimeError("PCP runs token-id inputs on a single pipeline stage")
         ctx = get_forward_context()
-        ctx.slot_mapping = step.slot_mapping_by_layer
         ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
         ctx.batch_descriptor = None
         ctx.is_padding = None
-        rows = step.model_input_indices  # P on every rank
+        rows = inputs.model_input_indices  # P on every rank
         hidden = super()._model_forward(input_ids.index_select(0, rows),
                                         positions.index_select(-1, rows),
                                         None, None, **model_kwargs)
-        return restore_hidden_states(self.pcp_group, hidden, step.num_padded_tokens_per_rank,
-                                     step.restore_indices, num_output_rows=input_ids.shape[0])
+        return restore_hidden_states(self.pcp_group, hidden, inputs.num_padded_tokens_per_rank,
+                                     inputs.restore_indices, num_output_rows=input_ids.shape[0])

@@ -153,22 +153,22 @@ def test_folded_decode_replays_as_a_cuda_graph():
 
     graph_attn, eager_attn, group = attention(rows), attention(0), _MirrorGroup()
     q = torch.randn(rows, hq, dim, generator=g, device="cuda").bfloat16()
-    graph_attn.plan(build_dcp_plan([16] * rows, [1] * rows, 2, 0, 8), table, rows)
+    captured = graph_attn.plan(build_dcp_plan([16] * rows, [1] * rows, 2, 0, 8), table, rows)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
-        graph_attn.run(group, q, None, None, cache)
+        graph_attn.run(captured, group, q, None, None, cache)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = graph_attn.run(group, q, None, None, cache)
+        out = graph_attn.run(captured, group, q, None, None, cache)
 
     step = build_dcp_plan([40, 300, 77], [1, 1, 1], 2, 0, 8)
-    graph_attn.plan(step, table, rows)
+    assert graph_attn.plan(step, table, rows).decode_wrapper is captured.decode_wrapper
     q.copy_(torch.randn(rows, hq, dim, generator=g, device="cuda").bfloat16())
     graph.replay()
-    eager_attn.plan(step, table[:3])
-    expect = eager_attn.run(group, q[:3].clone(), None, None, cache)
+    eager = eager_attn.plan(step, table[:3])
+    expect = eager_attn.run(eager, group, q[:3].clone(), None, None, cache)
     torch.cuda.synchronize()
     torch.testing.assert_close(out[:3].float(), expect.float(), **TOL)
     assert not torch.equal(out[:3], torch.zeros_like(out[:3]))

@@ -1,7 +1,8 @@
 """FlashInfer execution of a :class:`vllm_pcp.dcp.plan.DCPAttentionPlan` (GPU).
 
 Plan once per step on the CPU plan's tensors, run per layer. Three FlashInfer
-calls, mirroring :func:`reference.pcp_dcp_rank_attention`:
+calls, mirroring ``pcp_dcp_rank_attention`` of the tests' plain-torch oracle
+(``tests/reference.py``):
 
     new part        BatchPrefillWithRaggedKVCacheWrapper, causal, over this
                     step's gathered K/V (rows of the request up to the row end);
@@ -30,6 +31,8 @@ mapping), and a request keeps ``dcp_local_seq_len`` of its tokens.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from vllm_pcp.dcp.index import (context_slots, kept_rows, owned_split_tokens, paged_kv_layout,
@@ -38,8 +41,50 @@ from vllm_pcp.dcp.plan import AttentionRows, DCPAttentionPlan
 from vllm_pcp.pcp.exchange import all_gather_padded, all_to_all
 
 
+@dataclass
+class PlannedDCPStep:
+    """One step's device-side indexes and planned kernel calls, from
+    :meth:`DCPAttention.plan`; every layer of the step runs it. The wrappers it
+    names are planned for this step only (FlashInfer keeps a plan in the wrapper),
+    so a step is valid until the next :meth:`DCPAttention.plan`.
+
+    Rows ("rows" below) are query tokens of the rank's local input, ``[L]``.
+    """
+
+    plan: DCPAttentionPlan
+    decode_wrapper: object | None = None  # a pure decode step's planned decode wrapper
+    new_kv_index: torch.Tensor | None = None  # [sum new keys] rows of the K/V buffer
+    has_local_rows: bool = False  # N >= 3: a rank may get no tokens
+    local_index: torch.Tensor | None = None  # [L] the local rows' step tokens
+    context_slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (page, slot) sent
+    kv_layout: str = "NHD"
+    split_query: torch.Tensor | None = None  # rows of the gathered queries on this shard
+    split_owner_row: tuple[torch.Tensor, torch.Tensor] | None = None  # (rank, row) of each
+    owned_split: torch.Tensor | slice | None = None  # own split rows with context
+    replicated_rows: torch.Tensor | slice | None = None  # replicated rows with context
+    num_replicated: int = 0
+    # (wrapper, its query rows, their positions among replicated_rows)
+    replicated_calls: list = field(default_factory=list)
+    replicated_covered: bool = True  # every replicated row sees keys on this rank
+
+    def read_context(self, kv_cache) -> torch.Tensor | None:
+        """The context K/V this rank stores for the step's split chunks, to send
+        with its new K/V (:func:`vllm_pcp.pcp.exchange.gather_kv`): ``[Lc, 2, Hkv, D]``
+        in the order of :class:`vllm_pcp.dcp.plan.ContextGather`; None without."""
+        if self.context_slots is None:
+            return None
+        page, slot = self.context_slots
+        k_cache, v_cache = kv_cache
+        if self.kv_layout == "HND":  # [pages, Hkv, page_size, D]
+            k, v = k_cache[page, :, slot], v_cache[page, :, slot]
+        else:  # [pages, page_size, Hkv, D]
+            k, v = k_cache[page, slot], v_cache[page, slot]
+        return torch.stack((k, v), dim=1)
+
+
 class DCPAttention:
-    """One step's FlashInfer wrappers for PCP x DCP attention on one rank."""
+    """FlashInfer wrappers for PCP x DCP attention on one rank: :meth:`plan` a step
+    once, :meth:`run` it in every layer."""
 
     def __init__(self, workspace: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, dtype: torch.dtype, sm_scale: float,
@@ -57,15 +102,13 @@ class DCPAttention:
                                                                     backend="auto")
         self._split = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout,
                                                                      backend="auto")
-        self._rep = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout,
-                                                                   backend="auto")
+        self._replicated = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspace, kv_layout, backend="auto")
         # Decode rows: FlashInfer's decode kernel splits each row's KV over the SMs (the
         # prefill kernel that "auto" picks on Hopper runs one row's 16K keys on one CTA).
         self._decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper
         self._decode = self._decode_wrapper(workspace, kv_layout, use_tensor_cores=True)
-        self._decode_now = self._decode
         self._workspace, self._kv_layout = workspace, kv_layout
-        self.ctx_slots: tuple[torch.Tensor, torch.Tensor] | None = None
         # Full CUDA graphs of decode steps: one wrapper per batch size, all reading
         # index buffers at fixed addresses (filled by _plan_decode before a replay).
         self.max_graph_rows = max_graph_rows
@@ -73,7 +116,7 @@ class DCPAttention:
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor,
-             graph_rows: int | None = None, kv_gathered: bool = True) -> None:
+             graph_rows: int | None = None, kv_gathered: bool = True) -> PlannedDCPStep:
         """Plan the step's kernels; every index the layers use goes to the device here.
 
         ``block_table``: ``[num_reqs, max_pages]`` int32 on the GPU. Index
@@ -85,57 +128,63 @@ class DCPAttention:
         False: in step order (DCP inside TP, where nothing is split).
         """
         dev = block_table.device
-        hq, hkv, dim = self.heads
-        self.plan_ = plan
+        step = PlannedDCPStep(plan, kv_layout=self._kv_layout)
         if plan.decode is not None:
-            self._plan_decode(plan.decode, block_table, graph_rows)
-            return
+            step.decode_wrapper = self._plan_decode(plan.decode, block_table, graph_rows)
+            return step
         if graph_rows is not None:
             raise ValueError("only pure decode steps run as CUDA graphs")
 
         def to_dev(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.to(dev, non_blocking=True)
 
-        self.new_kv_index = to_dev(plan.new_kv_gathered_index if kv_gathered
+        step.new_kv_index = to_dev(plan.new_kv_gathered_index if kv_gathered
                                    else plan.new_kv_token_index)
-        self.ctx_slots = (None if plan.ctx_gather is None else
-                          context_slots(plan.ctx_gather, block_table, self.page_size))
-        self.local_index = to_dev(plan.pcp.local_token_indices)
-        self.has_local_rows = plan.pcp.num_rows > 0  # N >= 3: a rank may get no tokens
-        if self.has_local_rows:
+        step.context_slots = (None if plan.ctx_gather is None else
+                              context_slots(plan.ctx_gather, block_table, self.page_size))
+        step.local_index = to_dev(plan.pcp.local_token_indices)
+        step.has_local_rows = plan.pcp.num_rows > 0
+        if step.has_local_rows:
+            hq, hkv, dim = self.heads
             self._new.plan(plan.pcp.query_start_loc, plan.new_kv_indptr, hq, hkv, dim,
                            causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype,
                            kv_data_type=self.dtype, o_data_type=self.dtype)
         split_query = self._plan_paged(self._split, plan.ctx_split, block_table)
-        self.split_query = to_dev(split_query)
+        step.split_query = to_dev(split_query)
         if split_query is not None:  # (owner rank, row in its block) of each query
             padded = plan.pcp.num_padded_tokens_per_rank
-            self.split_owner_row = (to_dev(split_query // padded), to_dev(split_query % padded))
+            step.split_owner_row = (to_dev(split_query // padded), to_dev(split_query % padded))
         owned = owned_split_tokens(plan)
-        self.owned_split = None if owned is None else rows_index(owned, dev)
-        self._plan_replicated(plan.ctx_replicated, block_table)
+        step.owned_split = None if owned is None else rows_index(owned, dev)
+        self._plan_replicated(step, plan.ctx_replicated, block_table)
+        return step
 
-    def _plan_replicated(self, rep: AttentionRows, block_table: torch.Tensor) -> None:
-        """Plan the replicated rows' calls: decode rows (one query over a long shard)
-        on the split-KV decode kernel, as on folded decode steps; the others on the
-        paged prefill kernel. Indexes that are one run of rows become slices."""
-        dev, rep_index = block_table.device, rep.query_index
-        single = (rep.qo_indptr[1:] - rep.qo_indptr[:-1]) == 1
-        self.num_rep, self.rep_index = len(rep_index), rows_index(rep_index, dev)
-        self.rep_calls, covered = [], 0
-        for wrapper, query in ((self._rep, self._plan_paged(self._rep, rep, block_table,
-                                                            ~single)),
-                               (self._decode, self._plan_paged_decode(rep, block_table,
+    def _plan_replicated(self, step: PlannedDCPStep, rows: AttentionRows,
+                         block_table: torch.Tensor) -> None:
+        """Plan the replicated rows' calls into ``step``: decode rows (one query over a
+        long shard) on the split-KV decode kernel, as on folded decode steps; the
+        others on the paged prefill kernel. Indexes that are one run of rows become
+        slices."""
+        dev, query_index = block_table.device, rows.query_index
+        single = (rows.qo_indptr[1:] - rows.qo_indptr[:-1]) == 1
+        step.num_replicated = len(query_index)
+        step.replicated_rows = rows_index(query_index, dev)
+        covered = 0
+        for wrapper, query in ((self._replicated,
+                                self._plan_paged(self._replicated, rows, block_table, ~single)),
+                               (self._decode, self._plan_paged_decode(rows, block_table,
                                                                       single))):
             if query is not None:
-                self.rep_calls.append((wrapper, rows_index(query, dev),
-                                       rows_index(positions_in(rep_index, query), dev)))
+                step.replicated_calls.append(
+                    (wrapper, rows_index(query, dev),
+                     rows_index(positions_in(query_index, query), dev)))
                 covered += len(query)
-        self.rep_covered = covered == len(rep_index)  # every row sees keys here
+        step.replicated_covered = covered == len(query_index)
 
     def _plan_decode(self, rows: AttentionRows, block_table: torch.Tensor,
-                     graph_rows: int | None) -> None:
-        """Plan the decode kernel: row i (one query) over ``rows.kv_len[i]`` shard tokens."""
+                     graph_rows: int | None):
+        """Plan the decode kernel: row i (one query) over ``rows.kv_len[i]`` shard
+        tokens; the planned wrapper."""
         hq, hkv, dim = self.heads
         kv_len = rows.kv_len
         if graph_rows is not None:
@@ -152,7 +201,7 @@ class DCPAttention:
         self._fast_plan_decode(wrapper, indptr, indices, last, hq, hkv, dim, self.page_size,
                                sm_scale=self.sm_scale, q_data_type=self.dtype,
                                kv_data_type=self.dtype, o_data_type=self.dtype)
-        self._decode_now = wrapper
+        return wrapper
 
     def _graph_wrapper(self, rows: int, max_pages_per_row: int):
         """The CUDA-graph decode wrapper of ``rows`` rows (made on first use)."""
@@ -210,44 +259,48 @@ class DCPAttention:
                                kv_data_type=self.dtype, o_data_type=self.dtype)
         return kept.query_index
 
-    def run(self, group, q_local: torch.Tensor, k_step: torch.Tensor, v_step: torch.Tensor,
-            kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``q_local [L, Hq, D]``; ``k_step/v_step``: the K/V exchange's buffer
+    def run(self, step: PlannedDCPStep, group, q_local: torch.Tensor, k_step: torch.Tensor,
+            v_step: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Run a planned step in one layer.
+
+        ``q_local [L, Hq, D]``; ``k_step/v_step``: the K/V exchange's buffer
         ``[N * (P + Pc), Hkv, D]`` (split rows' context included, see :meth:`plan`),
         or ``[T, Hkv, D]`` in step order; ``kv_cache`` this rank's paged (K, V) in
         ``kv_layout``. Returns ``[L, Hq, D]``. On a decode step ``q_local`` is the
         step's tokens and K/V are not read."""
-        if self.plan_.decode is not None:
-            return self._run_decode(group, q_local, kv_cache)
-        if not self.has_local_rows:  # still serves the other ranks' split context below
+        if step.plan.decode is not None:
+            return self._run_decode(step, group, q_local, kv_cache)
+        if not step.has_local_rows:  # still serves the other ranks' split context below
             out = self._out_like(q_local)
             lse = torch.empty(q_local.shape[:2], dtype=torch.float32, device=q_local.device)
         else:
-            out, lse = self._new.run(q_local, k_step.index_select(0, self.new_kv_index),
-                                     v_step.index_select(0, self.new_kv_index),
+            out, lse = self._new.run(q_local, k_step.index_select(0, step.new_kv_index),
+                                     v_step.index_select(0, step.new_kv_index),
                                      out=self._out_like(q_local), return_lse=True)
-
-        if len(self.plan_.ctx_split.query_index):  # the same row set on every rank
-            self._add_split_context(group, q_local, kv_cache, out, lse)
-
-        # Replicated rows: every rank holds the same queries; gather the partials.
-        rep_index = self.rep_index
-        if self.num_rep:
-            send, rep_out, rep_lse = self._partials(self.num_rep, q_local)
-            rep_out, rep_lse = rep_out[0], rep_lse[0]
-            if not self.rep_covered:  # rows that see no keys here
-                rep_out.zero_(), rep_lse.fill_(float("-inf"))
-            for wrapper, query, slot in self.rep_calls:
-                q_rep = q_local[query]
-                if isinstance(slot, slice):  # the kernel writes the partials in place
-                    wrapper.run(q_rep, kv_cache, out=rep_out[slot], lse=rep_lse[slot],
-                                return_lse=True)
-                else:
-                    rep_out[slot], rep_lse[slot] = wrapper.run(
-                        q_rep, kv_cache, out=self._out_like(q_rep), return_lse=True)
-            ctx_o, ctx_s = self._gather_merged(group, send, rep_out.shape)
-            self._merge_into(out, lse, rep_index, ctx_o, ctx_s)
+        if len(step.plan.ctx_split.query_index):  # the same row set on every rank
+            self._add_split_context(step, group, q_local, kv_cache, out, lse)
+        if step.num_replicated:
+            self._add_replicated_context(step, group, q_local, kv_cache, out, lse)
         return out
+
+    def _add_replicated_context(self, step: PlannedDCPStep, group, q_local, kv_cache,
+                                out, lse) -> None:
+        """Replicated rows: every rank holds the same queries; each attends its shard,
+        the partials are all-gathered and merged into ``out``/``lse`` in place."""
+        send, part_out, part_lse = self._partials(step.num_replicated, q_local)
+        part_out, part_lse = part_out[0], part_lse[0]
+        if not step.replicated_covered:  # rows that see no keys here
+            part_out.zero_(), part_lse.fill_(float("-inf"))
+        for wrapper, query, slot in step.replicated_calls:
+            q_rows = q_local[query]
+            if isinstance(slot, slice):  # the kernel writes the partials in place
+                wrapper.run(q_rows, kv_cache, out=part_out[slot], lse=part_lse[slot],
+                            return_lse=True)
+            else:
+                part_out[slot], part_lse[slot] = wrapper.run(
+                    q_rows, kv_cache, out=self._out_like(q_rows), return_lse=True)
+        ctx_o, ctx_s = self._gather_merged(group, send, part_out.shape)
+        self._merge_into(out, lse, step.replicated_rows, ctx_o, ctx_s)
 
     def _merge_into(self, out: torch.Tensor, lse: torch.Tensor, rows, ctx_o: torch.Tensor,
                     ctx_s: torch.Tensor) -> None:
@@ -258,8 +311,9 @@ class DCPAttention:
         else:
             out[rows], lse[rows] = self._merge_state(ctx_o, ctx_s, out[rows], lse[rows])
 
-    def run_heads_gathered(self, group, q: torch.Tensor, k_step: torch.Tensor,
-                           v_step: torch.Tensor, kv_cache) -> torch.Tensor:
+    def run_heads_gathered(self, step: PlannedDCPStep, group, q: torch.Tensor,
+                           k_step: torch.Tensor, v_step: torch.Tensor,
+                           kv_cache) -> torch.Tensor:
         """DCP inside TP (PCP = 1): every rank runs every token of the step with its own
         query heads, and the DCP ranks share their K/V heads.
 
@@ -270,19 +324,21 @@ class DCPAttention:
         """
         heads, rank = q.shape[1], group.rank_in_group
         q_all = group.all_gather(q.contiguous(), dim=1)
-        if self.plan_.decode is not None:
-            out = self._run_decode(group, q_all, kv_cache)
+        if step.plan.decode is not None:
+            out = self._run_decode(step, group, q_all, kv_cache)
         else:  # local rows are the step's tokens, decodes first
-            local = self.local_index
+            local = step.local_index
             out = torch.empty_like(q_all)
-            out[local] = self.run(group, q_all.index_select(0, local), k_step, v_step, kv_cache)
+            out[local] = self.run(step, group, q_all.index_select(0, local), k_step, v_step,
+                                  kv_cache)
         return out[:, rank * heads:(rank + 1) * heads]
 
-    def _run_decode(self, group, q: torch.Tensor, kv_cache) -> torch.Tensor:
+    def _run_decode(self, step: PlannedDCPStep, group, q: torch.Tensor,
+                    kv_cache) -> torch.Tensor:
         """Every rank's shard partial of ``q [B, Hq, D]``, gathered and merged
         (``B`` is the same on every rank)."""
         send, out, lse = self._partials(q.shape[0], q)
-        self._decode_now.run(q, kv_cache, out=out[0], lse=lse[0], return_lse=True)
+        step.decode_wrapper.run(q, kv_cache, out=out[0], lse=lse[0], return_lse=True)
         return self._gather_merged(group, send, q.shape)[0]
 
     def _partials(self, rows: int, q: torch.Tensor, blocks: int = 1):
@@ -324,40 +380,27 @@ class DCPAttention:
         return self._merge_states(outs.transpose(0, 1).contiguous(),
                                   lses.transpose(0, 1).contiguous())
 
-    def local_context(self, kv_cache) -> torch.Tensor | None:
-        """The context K/V this rank stores for the step's split chunks, to send
-        with its new K/V (:func:`vllm_pcp.pcp.exchange.gather_kv`): ``[Lc, 2, Hkv, D]``
-        in the order of :class:`vllm_pcp.dcp.plan.ContextGather`; None without."""
-        if self.ctx_slots is None:
-            return None
-        page, slot = self.ctx_slots
-        k_cache, v_cache = kv_cache
-        if self._kv_layout == "HND":  # [pages, Hkv, page_size, D]
-            k, v = k_cache[page, :, slot], v_cache[page, :, slot]
-        else:  # [pages, page_size, Hkv, D]
-            k, v = k_cache[page, slot], v_cache[page, slot]
-        return torch.stack((k, v), dim=1)
-
     def _out_like(self, q: torch.Tensor) -> torch.Tensor:
         """An output buffer for one kernel's partial states."""
         return torch.empty(q.shape, dtype=self.dtype, device=q.device)
 
-    def _add_split_context(self, group, q_local, kv_cache, out, lse) -> None:
+    def _add_split_context(self, step: PlannedDCPStep, group, q_local, kv_cache, out,
+                           lse) -> None:
         """Split rows: every rank's queries against this rank's shard, partials back
         to their owners by all-to-all, merged into ``out``/``lse`` in place."""
-        n, padded = group.world_size, self.plan_.pcp.num_padded_tokens_per_rank
+        n, padded = group.world_size, step.plan.pcp.num_padded_tokens_per_rank
         q_all = all_gather_padded(group, q_local, padded)
         # block q of the buffer: partials of rank q's queries, outputs and LSEs together
         send, part_out, part_lse = self._partials(padded, q_local, blocks=n)
         part_out.zero_(), part_lse.fill_(float("-inf"))  # queries that see no keys here
-        if self.split_query is not None:
-            q_split = q_all.index_select(0, self.split_query)
+        if step.split_query is not None:
+            q_split = q_all.index_select(0, step.split_query)
             o, s = self._split.run(q_split, kv_cache, out=self._out_like(q_split),
                                    return_lse=True)
-            owner, row = self.split_owner_row
+            owner, row = step.split_owner_row
             part_out[owner, row], part_lse[owner, row] = o, s
         recv_out, recv_lse = self._unpack(all_to_all(group, send), n, padded, q_local.shape)
-        mine = self.owned_split
+        mine = step.owned_split
         if mine is not None:
             ctx_o, ctx_s = self._merge_ranks(recv_out[:, mine], recv_lse[:, mine])
             self._merge_into(out, lse, mine, ctx_o, ctx_s)

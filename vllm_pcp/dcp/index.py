@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from vllm_pcp.dcp.plan import AttentionRows, ContextGather, DCPAttentionPlan
+from vllm_pcp.pcp.partition import indptr_of
 
 
 def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
@@ -21,8 +22,7 @@ def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
     """
     kv_len = kv_len.long()
     pages = (kv_len + page_size - 1) // page_size
-    indptr = torch.zeros(len(kv_len) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(pages, 0)
+    indptr = indptr_of(pages)
     rows = torch.repeat_interleave(torch.arange(len(kv_len)), pages)
     cols = torch.arange(int(indptr[-1])) - indptr[:-1].long().repeat_interleave(pages)
     flat = (rows * block_table.shape[1] + cols).to(block_table.device, non_blocking=True)
@@ -52,8 +52,7 @@ def kept_rows(rows: AttentionRows, keep: torch.Tensor | None = None) -> Attentio
     keep = rows.kv_len > 0 if keep is None else keep & (rows.kv_len > 0)
     lens = (rows.qo_indptr[1:] - rows.qo_indptr[:-1])[keep]
     per_token = torch.repeat_interleave(keep, rows.qo_indptr[1:] - rows.qo_indptr[:-1])
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(lens, 0)
+    indptr = indptr_of(lens)
     return AttentionRows(rows.query_index[per_token], indptr, rows.req[keep], rows.kv_len[keep])
 
 

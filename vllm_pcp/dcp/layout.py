@@ -8,11 +8,15 @@ request belongs to rank ``(t // I) % D`` and sits at local offset
                      rank   0 0 1 1 0 0 1 1 0
                      local  0 1 0 1 2 3 2 3 4
 
-Pure integer arithmetic on tensors or ints; no process group.
+Pure integer arithmetic on tensors or ints; no process group. The local
+sequence length is vLLM's own ``get_dcp_local_seq_lens`` (the one its DCP
+backends use); ownership and offsets have no vLLM helper of that shape (vLLM
+computes them inside its slot-mapping kernel).
 """
 from __future__ import annotations
 
 import torch
+from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
 
 def _check(dcp_world_size: int, interleave: int) -> None:
@@ -36,8 +40,8 @@ def dcp_local_offset(positions: torch.Tensor, dcp_world_size: int,
 
 def dcp_local_seq_len(seq_lens: torch.Tensor, dcp_rank: int, dcp_world_size: int,
                       interleave: int) -> torch.Tensor:
-    """Number of a request's first ``seq_lens`` tokens that ``dcp_rank`` stores."""
+    """Number of a request's first ``seq_lens`` tokens that ``dcp_rank`` stores
+    (``seq_lens``' dtype)."""
     _check(dcp_world_size, interleave)
-    span = interleave * dcp_world_size
-    rest = (seq_lens % span - dcp_rank * interleave).clamp(min=0, max=interleave)
-    return (seq_lens // span) * interleave + rest
+    return get_dcp_local_seq_lens(seq_lens, dcp_world_size, dcp_rank,
+                                  interleave).to(seq_lens.dtype)

@@ -52,7 +52,7 @@ import torch
 from vllm_pcp.config import CONTEXT_EXCHANGES
 from vllm_pcp.dcp.layout import dcp_local_offset, dcp_local_seq_len, dcp_owner
 from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, _expand_ranges,
-                                build_pcp_metadata_all_ranks, split_requests)
+                                    build_pcp_metadata_all_ranks, indptr_of, split_requests)
 
 
 @dataclass(frozen=True)
@@ -132,17 +132,17 @@ class DCPAttentionPlan:
         return len(self.decode.req) if self.decode is not None else self.pcp.num_local_tokens
 
 
-def _rows(starts: np.ndarray, lens: np.ndarray, reqs: np.ndarray,
-          kv_lens: np.ndarray) -> AttentionRows:
+def _attention_rows(starts: np.ndarray, lens: np.ndarray, reqs: np.ndarray,
+                    kv_lens: np.ndarray) -> AttentionRows:
     """Rows reading ``lens[r]`` consecutive buffer rows from ``starts[r]``."""
     return AttentionRows(
         query_index=torch.from_numpy(_expand_ranges(starts, lens)),
-        qo_indptr=torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)),
+        qo_indptr=indptr_of(lens),
         req=torch.from_numpy(reqs.astype(np.int32)),
         kv_len=torch.from_numpy(kv_lens.astype(np.int32)))
 
 
-def _rows_of(meta: PrefillContextParallelMetadata, wanted: np.ndarray):
+def _request_rows(meta: PrefillContextParallelMetadata, wanted: np.ndarray):
     """(request, first local token, length) of the rows whose request is ``wanted``."""
     req = meta.row_req_indices.numpy().astype(np.int64)
     qsl = meta.query_start_loc.numpy().astype(np.int64)
@@ -156,11 +156,11 @@ def _queried_split_rows(metas: Sequence[PrefillContextParallelMetadata],
     read the all-gathered query buffer ``[N * P]`` and attend this rank's shard
     (``local_kv [R]`` tokens of each request)."""
     padded = metas[0].num_padded_tokens_per_rank
-    parts = [_rows_of(meta, queried) for meta in metas]
+    parts = [_request_rows(meta, queried) for meta in metas]
     s_req = np.concatenate([p[0] for p in parts])
     s_start = np.concatenate([p[1] + q * padded for q, p in enumerate(parts)])
     s_len = np.concatenate([p[2] for p in parts])
-    return _rows(s_start, s_len, s_req, local_kv[s_req])
+    return _attention_rows(s_start, s_len, s_req, local_kv[s_req])
 
 
 def _gather_context(computed: np.ndarray, wanted: np.ndarray, world_size: int, rank: int,
@@ -212,8 +212,7 @@ def _new_part(rows_req: np.ndarray, token_start: np.ndarray, new_lens: np.ndarra
                 lens[j] += len(context)
             pieces.append(np.arange(token_start[req], token_start[req] + new_lens[j]))
         index = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    return torch.from_numpy(index.astype(np.int64)), torch.from_numpy(indptr)
+    return torch.from_numpy(index.astype(np.int64)), indptr_of(lens)
 
 
 def gathered_kv_index(new_kv_token_index: torch.Tensor, restore_indices: torch.Tensor,
@@ -333,14 +332,15 @@ def build_dcp_plan(
         fetched[gather.req.numpy()] = True
 
     # Replicated rows with context, ordered by request: the same order everywhere.
-    r_req, r_start, r_len = _rows_of(mine, ~split & has_context)
+    r_req, r_start, r_len = _request_rows(mine, ~split & has_context)
     order = np.argsort(r_req, kind="stable")
 
     return DCPAttentionPlan(
         pcp=mine, dcp_world_size=world_size, dcp_rank=rank, interleave=interleave,
         new_kv_token_index=new_index, new_kv_indptr=new_indptr,
         ctx_split=_queried_split_rows(metas, split & has_context & ~fetched, local_kv),
-        ctx_replicated=_rows(r_start[order], r_len[order], r_req[order], local_kv[r_req[order]]),
+        ctx_replicated=_attention_rows(r_start[order], r_len[order], r_req[order],
+                                      local_kv[r_req[order]]),
         ctx_gather=gather,
         new_kv_gathered_index=gathered_kv_index(new_index, mine.restore_indices, padded,
                                                 0 if gather is None else gather.num_padded))

@@ -130,13 +130,21 @@ class PrefillContextParallelMetadata:
 
 
 @dataclass(frozen=True)
-class _Rows:
+class _RankRows:
     """The rows of one rank, in local order (numpy int64 arrays of one length)."""
 
     req: np.ndarray
     token_start: np.ndarray  # global index of the row's first token
     q_len: np.ndarray
     seq_len: np.ndarray
+
+
+def indptr_of(lens) -> torch.Tensor:
+    """``[len(lens) + 1]`` int32 offsets of consecutive runs of ``lens`` (a numpy
+    array or CPU tensor): FlashInfer's ``qo_indptr`` / ``kv_indptr``."""
+    out = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lens, dtype=np.int64), out=out[1:])
+    return torch.from_numpy(out.astype(np.int32))
 
 
 def _expand_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -156,7 +164,7 @@ def _plan_rank_rows(
     pcp_world_size: int,
     pcp_rank: int,
     decode_threshold: int,
-) -> _Rows:
+) -> _RankRows:
     """Rows of one rank: replicated rows, then its head and tail chunks."""
     num_chunks = 2 * pcp_world_size
     reqs, subs, starts, q_lens, seq_lens = [], [], [], [], []
@@ -181,7 +189,7 @@ def _plan_rank_rows(
     req, sub, start, q_len, seq_len = (a[keep] for a in (req, sub, start, q_len, seq_len))
     # Short rows first (vLLM's decode-first layout), then request order.
     order = np.lexsort((sub, req, q_len > decode_threshold))
-    return _Rows(req[order], start[order], q_len[order], seq_len[order])
+    return _RankRows(req[order], start[order], q_len[order], seq_len[order])
 
 
 def split_requests(num_scheduled_tokens: Sequence[int], min_split_tokens: int,
@@ -269,14 +277,13 @@ def build_pcp_metadata_all_ranks(
             for rank, (rw, tokens) in enumerate(zip(rows, local_tokens))]
 
 
-def _rank_view(rank: int, rows: _Rows, local_tokens: np.ndarray, decode_threshold: int,
+def _rank_view(rank: int, rows: _RankRows, local_tokens: np.ndarray, decode_threshold: int,
                shared: dict) -> PrefillContextParallelMetadata:
     num_decode_rows = int((rows.q_len <= decode_threshold).sum())
     return PrefillContextParallelMetadata(
         pcp_rank=rank,
         local_token_indices=torch.from_numpy(local_tokens),
-        query_start_loc=torch.from_numpy(
-            np.concatenate([[0], np.cumsum(rows.q_len)]).astype(np.int32)),
+        query_start_loc=indptr_of(rows.q_len),
         seq_lens=torch.from_numpy(rows.seq_len.astype(np.int32)),
         row_req_indices=torch.from_numpy(rows.req.astype(np.int32)),
         num_decode_rows=num_decode_rows,
