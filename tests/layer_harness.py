@@ -103,10 +103,10 @@ def _run_dcp_layer_step(monkeypatch, world, interleave, exchange, device, dtype,
                                        with_context_rows)
 
     full, q = make_batch(hq, hkv, dim, 7 * world + interleave)
-    full = [(k.to(dtype), v.to(dtype)) for k, v in full]
-    q = q.to(dtype).to(device)
-    k_step = torch.cat([k[c:] for (k, _), c in zip(full, COMPUTED)]).to(device)
-    v_step = torch.cat([v[c:] for (_, v), c in zip(full, COMPUTED)]).to(device)
+    full = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in full]  # rounded once
+    q = q.to(device, dtype)
+    k_step = torch.cat([k[c:] for (k, _), c in zip(full, COMPUTED)]).to(device, dtype)
+    v_step = torch.cat([v[c:] for (_, v), c in zip(full, COMPUTED)]).to(device, dtype)
     kv_layout, group = get_kv_cache_layout(), ThreadGroup(world)
     impls = _make_impls(monkeypatch, world, hq, hkv, dim)
 
@@ -142,5 +142,5 @@ def _run_dcp_layer_step(monkeypatch, world, interleave, exchange, device, dtype,
                                          padded, pcp.restore_indices.to(device))
         return restored.reshape(-1, hq, dim).float().cpu(), cache, expect_cache
 
-    expect = expected_output([(k.float(), v.float()) for k, v in full], q.float().cpu())
+    expect = expected_output(full, q.float().cpu())
     return group.run(rank_fn), expect
