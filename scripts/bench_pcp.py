@@ -213,7 +213,7 @@ def report(args) -> None:
     """Write ttft.json, itl.json and ttft.png from one raw run, if given; serve.json
     from the ``vllm bench serve`` results of scripts/bench_serve.sh, gsm8k.json from
     the scripts/eval_gsm8k.sh results, if given. Without ``--raw`` the versions come
-    from ``--versions-from`` (any raw file of the same sitting)."""
+    from ``--versions-from`` (any raw file of the same run)."""
     import glob
 
     from bench_report import gsm8k_rows, serve_rows, write_reports

@@ -70,6 +70,11 @@
 #              configurations (default pcp1,pcp2,pcp2-dcp2); BENCH_PROFILE_STACK=1 records
 #              Python stacks and writes python.json (the attention layer's host time per
 #              Python function) beside steps.json; the other BENCH_* are fixed
+#   latency    TTFT through vLLM's own tool: vllm bench latency --input-len N --output-len 1,
+#              one process per configuration and length (scripts/bench_latency.py);
+#              LATENCY_CONFIGS (default pcp1,pcp2,pcp2-dcp2; on one GPU pcp1-stock,pcp1),
+#              LATENCY_LENS (default 32768,131072), BENCH_EAGER as for bench;
+#              OUT_DIR/latency.json (benchmarks/results/latency*.json)
 #   kernel-choice  one GPU: FlashInfer's paged and ragged prefill kernels (fa2, fa3, auto)
 #              for one rank's new tokens at -pcp 2 and 4, the K/V gather and copy, the
 #              one-GPU attention (scripts/bench_kernel_choice.py; KERNEL_CHOICE_CASES
@@ -285,6 +290,13 @@ EOF
         > "$work/$config${SERVE_TAG-}.log" 2>&1
       echo "$config rc=$?"
     done ;;
+  latency)  # TTFT through vllm bench latency, one process per configuration and length
+    python3 "$here/bench_latency.py" --configs "${LATENCY_CONFIGS:-pcp1,pcp2,pcp2-dcp2}" \
+      --input-lens "${LATENCY_LENS:-32768,131072}" ${BENCH_EAGER---eager} \
+      --log-dir "$work" --out "$work/latency.json" 2>&1 | tee "$work/latency.log"
+    rc=${PIPESTATUS[0]}
+    [ -f "$work/latency.json" ] && cp "$work/latency.json" "$out/latency.json"
+    exit "$rc" ;;
   kernel-choice)  # one GPU, 2.5 to 3 minutes (FlashInfer's first compiles included)
     python3 "$here/bench_kernel_choice.py" --out "$work/kernel-choice.json" \
       ${KERNEL_CHOICE_CASES:+--cases "$KERNEL_CHOICE_CASES"} 2>&1 | tee "$work/kernel-choice.log"

@@ -1,4 +1,20 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _configs_see_enough_gpus(request, monkeypatch):
+    """CPU tests build real VllmConfigs of 2-rank layouts. On a CUDA machine with fewer
+    GPUs, vLLM's ParallelConfig refuses them (it counts this node's GPUs to pick an
+    executor); these tests start no worker, so the platform shows 8 GPUs to them.
+    tests/gpu sees the machine as it is."""
+    if os.sep + "gpu" + os.sep in str(request.node.path):
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        monkeypatch.setattr(current_platform, "device_count", lambda: 8)

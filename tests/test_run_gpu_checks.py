@@ -81,3 +81,27 @@ def test_bench_chunked_with_python_stacks_writes_their_summary(tmp_path):
     assert "--profile-stack" in args and "--profile-mixed" in args
     profile = tmp_path / "checks" / "bench-chunked" / "profile-pcp2"
     assert (profile / "python.json").exists() and (profile / "steps.json").exists()
+
+
+FAKE_LATENCY = """import json, os, sys
+args = sys.argv[1:]
+json.dump(args, open(os.environ["ARGS_OUT"], "w"))
+out = args[args.index("--out") + 1]
+if os.environ.get("LATENCY_RC", "0") == "0":
+    json.dump({"runs": []}, open(out, "w"))
+sys.exit(int(os.environ.get("LATENCY_RC", "0")))
+"""
+
+
+def test_latency_stage_runs_vllm_bench_latency_and_keeps_its_file(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "bench_latency.py").write_text(FAKE_LATENCY)
+    res, args = _run(tmp_path, "latency", LATENCY_CONFIGS="pcp1-stock,pcp1",
+                     LATENCY_LENS="32768")
+    assert res.returncode == 0, res.stderr
+    assert args[args.index("--configs") + 1] == "pcp1-stock,pcp1"
+    assert args[args.index("--input-lens") + 1] == "32768" and "--eager" in args
+    assert json.loads((tmp_path / "out" / "latency.json").read_text()) == {"runs": []}
+    res, args = _run(tmp_path, "latency", LATENCY_RC="2", BENCH_EAGER="")
+    assert res.returncode == 2 and "--eager" not in args
+    assert args[args.index("--configs") + 1] == "pcp1,pcp2,pcp2-dcp2"

@@ -64,12 +64,31 @@ def test_wrap_runs_vllm_first_then_the_plugin_once(monkeypatch):
     assert calls == [("vllm", "cfg"), ("pcp", "cfg")]
 
 
-def test_apply_leaves_non_cuda_platforms_alone():
+def test_apply_leaves_non_cuda_platforms_alone(monkeypatch):
+    """Runs on every host: the platform is shown as non-CUDA, then as CUDA with a
+    stand-in ``vllm.platforms.cuda`` (the real one needs libcuda), whose class
+    ``apply`` must wrap."""
+    import sys
+    from types import ModuleType
+
     from vllm.platforms import current_platform
 
-    if current_platform.is_cuda():
-        return  # covered on GPU machines by the engine start itself
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
     assert patch_platform_config.apply() is False
+
+    class FakeCudaPlatformBase:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            pass
+
+    fake = ModuleType("vllm.platforms.cuda")
+    fake.CudaPlatformBase = FakeCudaPlatformBase
+    monkeypatch.setitem(sys.modules, "vllm.platforms.cuda", fake)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    assert patch_platform_config.apply() is True
+    assert getattr(FakeCudaPlatformBase.check_and_update_config.__func__,
+                   patch_platform_config.PATCHED_ATTR)
+    assert patch_platform_config.apply() is False  # idempotent
 
 
 def test_runner_seams():
@@ -95,7 +114,6 @@ def test_backend_seams():
             "_num_computed_tokens_cpu", "seq_lens_cpu_upper_bound", "num_reqs",
             "num_actual_tokens", "max_query_len", "max_seq_len", "block_table_tensor",
             "slot_mapping", "causal", "positions"} <= fields
-    assert not hasattr(CommonAttentionMetadata, "__slots__")  # pcp_exchange rides along
     ctx_fields = {f.name for f in dataclasses.fields(ForwardContext)}
     assert {"attn_metadata", "slot_mapping", "cudagraph_runtime_mode", "batch_descriptor",
             "is_padding"} <= ctx_fields

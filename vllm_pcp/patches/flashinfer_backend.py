@@ -12,8 +12,12 @@ How
     runs exactly as stock FlashInfer (it only adds behaviour when a step
     carries PCP metadata).
 Upstream status
-    None yet. Candidate: ``supports_pcp`` for ``FlashInferImpl`` with the K/V
-    gather of :mod:`vllm_pcp.backend`.
+    Not upstream. vLLM's GQA PCP for FlashInfer (PRs #26864 and #28723, after
+    RFC #25749) was closed unmerged; upstream PCP moved to Model Runner V2 for
+    MLA first (#46570). vLLM's own FlashInfer DCP gives wrong tokens (issue
+    #41623; fix proposed in PR #48003, open). Candidate diff: ``supports_pcp``
+    for ``FlashInferImpl`` with the K/V gather of :mod:`vllm_pcp.backend`.
+    Pinned by the tests the index (``README.md`` here) names.
 Removal plan
     Drop once vLLM's FlashInfer backend runs GQA PCP and exact DCP itself.
 """

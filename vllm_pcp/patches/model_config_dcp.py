@@ -12,8 +12,10 @@ How
     own body with ``decode_context_parallel_size`` shown as 1, then restore it.
     Every other check of the method still runs; other configs pass through.
 Upstream status
-    None yet. Upstream would condition the GQA DCP asserts on DCP being part
-    of TP (``dcp_size <= tp_size`` and PCP == 1).
+    Reported as vLLM issue #51429 (open: ``verify_with_parallel_config`` rejects
+    DCP-over-PCP topologies that ``ParallelConfig`` accepts); PR #51490 (closed)
+    and PR #55030 (open) scale the bound by the PCP size. Pinned by the tests
+    the index (``README.md`` here) names.
 Removal plan
     Drop this file once vLLM checks DCP against the axis it actually spans.
 """

@@ -13,8 +13,10 @@ How
     ``parallel_config.worker_cls`` to the plugin's worker. PCP = 1 and MLA
     models pass through untouched.
 Upstream status
-    None yet. A platform-independent hook for plugins to finalise the config
-    (or a model-runner class option) would make this patch unnecessary.
+    None found: no vLLM issue or PR for a plugin hook that finalises the config
+    or chooses the model runner. A platform-independent hook (or a
+    model-runner class option) would make this patch unnecessary. Pinned by
+    the tests the index (``README.md`` here) names.
 Removal plan
     Drop this file once vLLM lets a general plugin choose the model runner
     for PCP, or once vLLM runs GQA PCP itself.

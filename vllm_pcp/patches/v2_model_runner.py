@@ -16,8 +16,12 @@ How
     and the workers agree. ``VLLM_USE_V2_MODEL_RUNNER=1`` still wins, and the
     worker then refuses with a message.
 Upstream status
-    None yet. A model-runner choice a plugin can make (or V2 support for a
-    plugin's runner) would make this patch unnecessary.
+    None found for a model-runner choice a plugin can make. Upstream moves PCP
+    onto Model Runner V2 (#46570, MLA, merged; #50034 selects V2 when PCP is
+    on, merged; #53183 makes V2 the default, merged): in 0.26.0 the list still
+    names PCP for non-MLA models, and an upgrade that carries those changes
+    must revisit this patch and the V1 runner subclass. Pinned by the tests
+    the index (``README.md`` here) names.
 Removal plan
     Drop this file once vllm-pcp runs on Model Runner V2, or once vLLM's own
     FlashInfer DCP is exact and the plugin no longer takes over PCP = 1.
