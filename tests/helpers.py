@@ -1,4 +1,5 @@
-"""Test helpers: a thread-backed process group for N ranks in one process."""
+"""Test helpers: a thread-backed process group for N ranks in one process, and a real
+VllmConfig of a small model."""
 from __future__ import annotations
 
 import threading
@@ -67,3 +68,28 @@ class _RankView:
         out = torch.cat([g._slots[d][r * block:(r + 1) * block] for d in range(n)])
         g._barrier.wait()
         return out
+
+
+def real_vllm_config(model_dir, monkeypatch, parallel: dict, hf: dict | None = None,
+                     runner: str = "auto", **vllm_kwargs):
+    """vLLM's own VllmConfig of a small Qwen2 model written to ``model_dir`` (8 query
+    heads, 2 KV heads, head size 8; ``hf`` overrides its config), the plugin
+    registered and Triton shown as present, as on a GPU host. ``parallel``:
+    ParallelConfig's arguments; ``vllm_kwargs``: VllmConfig's other parts."""
+    import vllm.config.vllm as vllm_config_module
+    from transformers import Qwen2Config
+    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    import vllm_pcp
+
+    vllm_pcp.register()  # the DCP == PCP patch of ModelConfig.verify_with_parallel_config
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    model = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+                 max_position_embeddings=4096)
+    Qwen2Config(**{**model, **(hf or {})}).save_pretrained(model_dir)
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
+                                 dtype="bfloat16", runner=runner),
+        device_config=DeviceConfig(device="cuda"),
+        parallel_config=ParallelConfig(**parallel), **vllm_kwargs)

@@ -280,26 +280,13 @@ def test_sliding_window_refusal_offers_disable_sliding_window():
 @pytest.fixture
 def real_config(tmp_path, monkeypatch):
     """vLLM's own VllmConfig of a small Qwen2 model (Triton shown as present)."""
-    import vllm.config.vllm as vllm_config_module
-    from transformers import Qwen2Config
-    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
-
-    import vllm_pcp
-
-    vllm_pcp.register()  # the DCP == PCP patch of ModelConfig.verify_with_parallel_config
-    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    from helpers import real_vllm_config
 
     def make(pcp=2, dcp=1, runner="auto", hf=None, **vllm_kwargs):
-        Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
-                    max_position_embeddings=4096, **(hf or {})).save_pretrained(tmp_path)
-        return VllmConfig(
-            model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True,
-                                     dtype="bfloat16", runner=runner),
-            device_config=DeviceConfig(device="cuda"),
-            parallel_config=ParallelConfig(prefill_context_parallel_size=pcp,
-                                           decode_context_parallel_size=dcp),
-            **vllm_kwargs)
+        return real_vllm_config(tmp_path, monkeypatch,
+                                dict(prefill_context_parallel_size=pcp,
+                                     decode_context_parallel_size=dcp),
+                                hf, runner, **vllm_kwargs)
 
     return make
 

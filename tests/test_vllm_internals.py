@@ -92,26 +92,14 @@ def _bind(fn, call: ast.Call, bound_self: bool = False) -> None:
 def make_config(tmp_path, monkeypatch):
     """``make(**parallel)``: vLLM's own VllmConfig of a tiny GQA model (8 query heads,
     2 KV heads, head size 8 x 8), Triton shown as present, as on a GPU host."""
-    import vllm.config.vllm as vllm_config_module
-    from transformers import Qwen2Config
-    from vllm.config import (AttentionConfig, DeviceConfig, ModelConfig, ParallelConfig,
-                             VllmConfig)
+    from vllm.config import AttentionConfig
 
-    import vllm_pcp
-
-    vllm_pcp.register()
-    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
-    Qwen2Config(hidden_size=512, intermediate_size=128, num_hidden_layers=1,
-                num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
-                max_position_embeddings=4096).save_pretrained(tmp_path)
+    from helpers import real_vllm_config
 
     def make(**parallel):
-        return VllmConfig(
-            model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True,
-                                     dtype="bfloat16"),
-            device_config=DeviceConfig(device="cuda"),
-            parallel_config=ParallelConfig(**parallel),
-            attention_config=AttentionConfig(backend="FLASHINFER"))
+        return real_vllm_config(tmp_path, monkeypatch, parallel,
+                                hf=dict(hidden_size=512, num_hidden_layers=1),
+                                attention_config=AttentionConfig(backend="FLASHINFER"))
 
     return make
 

@@ -217,23 +217,12 @@ def test_v2_model_runner_is_refused_only_where_the_plugin_runs_pcp1():
 def test_real_config_picks_v1_only_for_the_plugins_dcp(tmp_path, monkeypatch, tp, dcp,
                                                        backend, v2):
     """vLLM's own VllmConfig (Triton shown as present, as on a GPU host)."""
-    import vllm.config.vllm as vllm_config_module
-    from transformers import Qwen2Config
-    from vllm.config import (AttentionConfig, DeviceConfig, ModelConfig, ParallelConfig,
-                             VllmConfig)
+    from vllm.config import AttentionConfig
 
-    import vllm_pcp
+    from helpers import real_vllm_config
 
-    vllm_pcp.register()
-    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
-    Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=8, num_key_value_heads=1, vocab_size=256,
-                max_position_embeddings=4096).save_pretrained(tmp_path)
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True,
-                                 dtype="bfloat16"),
-        device_config=DeviceConfig(device="cuda"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp,
-                                       decode_context_parallel_size=dcp),
-        attention_config=AttentionConfig(backend=backend))
+    config = real_vllm_config(tmp_path, monkeypatch,
+                              dict(tensor_parallel_size=tp, decode_context_parallel_size=dcp),
+                              hf=dict(num_key_value_heads=1),
+                              attention_config=AttentionConfig(backend=backend))
     assert config.use_v2_model_runner == v2
