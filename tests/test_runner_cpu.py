@@ -143,7 +143,11 @@ def test_non_split_steps_run_stock(monkeypatch):
                         lambda self, *a, **k: calls.append("stock") or ("md", None))
     monkeypatch.setattr(GPUModelRunner, "_model_forward",
                         lambda self, *a, **k: calls.append("forward") or "hidden")
-    runner._step = PCPStep(build_pcp_metadata([5, 9], [1, 1], 2, 0, min_split_tokens=4))
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
+    runner.input_batch.num_reqs = 2  # two decodes: nothing to split, no step
+    runner.input_batch.num_computed_tokens_cpu = np.array([5, 9], np.int32)
+    runner.input_batch.num_prompt_tokens = np.array([5, 9], np.int32)
+    runner._prepare_inputs(None, np.array([1, 1], np.int32))
     assert runner._build_attention_metadata(slot_mappings={0: _global_slots()}) == ("md", None)
     assert runner._model_forward(torch.zeros(2), torch.zeros(2)) == "hidden"
     # A split plan is ignored while capturing CUDA graphs.

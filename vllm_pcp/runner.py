@@ -142,6 +142,7 @@ class PCPModelRunner(GPUModelRunner):
                 computed, scheduled, prefill_lens,
                 self._context_written_in_step(computed, scheduled, prefill_lens)))
         elif split_requests(scheduled, self.pcp_min_split_tokens, prefill_lens).any():
+            # the same test build_pcp_metadata splits by: the plan is a split one
             self._step = PCPStep(build_pcp_metadata(
                 computed, scheduled, self.pcp_world_size, self.pcp_rank,
                 min_split_tokens=self.pcp_min_split_tokens,
@@ -190,10 +191,9 @@ class PCPModelRunner(GPUModelRunner):
             if self.pcp_dcp:
                 return self._build_dcp_capture_metadata(kwargs["num_reqs"]), None
             return super()._build_attention_metadata(*args, **kwargs)
-        plan = None if step is None else step.plan
-        if plan is None or kwargs.get("ubatch_slices") or not (
-                isinstance(plan, DCPAttentionPlan) or plan.is_split):
+        if step is None or kwargs.get("ubatch_slices"):
             return super()._build_attention_metadata(*args, **kwargs)
+        plan = step.plan
         if isinstance(plan, DCPAttentionPlan):
             if plan.decode is not None:  # num_reqs_padded: vLLM replays a full graph
                 metadata = self._build_dcp_decode_metadata(plan, kwargs.get("num_reqs_padded"))
@@ -289,10 +289,11 @@ class PCPModelRunner(GPUModelRunner):
         dev = self.device
         gathered = plan.gathered_token_indices.to(dev, non_blocking=True)
         exchange = KVExchange(self.pcp_group, plan.num_padded_tokens_per_rank)
+        local_rows = self._local_rows(plan, slot_mappings) if plan.num_rows else {}
         attn_metadata = {}
         for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
             slots = gathered_slot_mapping(slot_mappings[gid], gathered)
-            cm = self._local_rows(plan, slot_mappings[gid], gid) if plan.num_rows else None
+            cm = local_rows.get(gid)
             for attn_group in self.attn_groups[gid]:
                 local = None if cm is None else self._pcp_builder(attn_group).build(
                     common_prefix_len=0, common_attn_metadata=cm)
@@ -301,15 +302,15 @@ class PCPModelRunner(GPUModelRunner):
                     attn_metadata[name] = metadata
         return attn_metadata, self._split_inputs(plan, dev)
 
-    def _local_rows(self, plan: PrefillContextParallelMetadata, slot_mapping: torch.Tensor,
-                    gid: int) -> CommonAttentionMetadata:
-        """This rank's local rows as vLLM's attention input, for KV cache group ``gid``."""
+    def _local_rows(self, plan: PrefillContextParallelMetadata,
+                    slot_mappings: dict[int, torch.Tensor]) -> dict[int, CommonAttentionMetadata]:
+        """This rank's local rows as vLLM's attention input, by KV cache group (the
+        rows' tensors go to the device once, for every group)."""
         dev = self.device
         local = plan.local_token_indices.to(dev, non_blocking=True)
         row_req = plan.row_req_indices.to(dev, dtype=torch.int64, non_blocking=True)
         q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
-        table = self.input_batch.block_table[gid].get_device_tensor(self.input_batch.num_reqs)
-        return CommonAttentionMetadata(
+        rows = dict(
             query_start_loc=plan.query_start_loc.to(dev, non_blocking=True),
             query_start_loc_cpu=plan.query_start_loc,
             seq_lens=plan.seq_lens.to(dev, non_blocking=True),
@@ -321,9 +322,15 @@ class PCPModelRunner(GPUModelRunner):
             max_query_len=plan.max_query_len,
             max_seq_len=int(plan.seq_lens.max()),
             causal=True,
-            positions=self.positions.index_select(0, local),
-            block_table_tensor=table.index_select(0, row_req),
-            slot_mapping=slot_mapping.index_select(0, local))
+            positions=self.positions.index_select(0, local))
+        out = {}
+        for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
+            table = self.input_batch.block_table[gid].get_device_tensor(
+                self.input_batch.num_reqs)
+            out[gid] = CommonAttentionMetadata(
+                block_table_tensor=table.index_select(0, row_req),
+                slot_mapping=slot_mappings[gid].index_select(0, local), **rows)
+        return out
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
                        inputs_embeds=None, **model_kwargs):
