@@ -44,40 +44,50 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from exactness_features_cli import add_features_parser, feature_configs, features  # noqa: E402
+from exactness_features_cli import (_feature_tokenizer_args, add_features_parser,  # noqa: E402
+                                    feature_configs, features)
 from exactness_lib import compare_outputs  # noqa: E402
 from exactness_teacher import _teacher_args, add_teacher_parser, teacher  # noqa: E402
-from gpu_runs import run_worker, versions  # noqa: E402
+from gpu_runs import RAW_KEYS, check_env, run_worker, versions  # noqa: E402
 from kv_capacity import kv_capacity  # noqa: E402
 from layouts import SMALL_POOL_TOKENS, worker_flags  # noqa: E402,F401
 
 # the layouts (scripts/layouts.py) this script runs, as exactness_worker.py flags
 CONFIGS = {name: worker_flags(name) for name in (
     "pcp1", "pcp2", "pcp1-graphs", "pcp2-graphs", "pcp2-ray", "tp2",
+    "pcp1-v1", "pcp1-v1-graphs",  # the baselines: one GPU on the plugin's V1 runner
     "pcp1-flash-attn",  # the noise floor: one GPU, FlashAttention against FlashInfer
     "pcp2-dcp2-i1", "pcp2-dcp2-i8", "pcp2-dcp2-i16", "pcp2-dcp2-i8-graphs",
     "pcp2-dcp2-i8-queries", "pcp2-dcp2-i8-keys",  # one context exchange forced
     "tp2-dcp2-i1", "tp2-dcp2-i8", "tp2-dcp2-i16", "tp2-dcp2-i8-graphs",
-    "pcp2-dcp2-i8-smallpool")}
-BASELINE = {"pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1",
-            "pcp2-graphs": "pcp1-graphs", "pcp2-ray": "pcp1",
-            **{c: "pcp1-graphs" if c.endswith("-graphs") else "pcp1"
-               for c in CONFIGS if "-dcp2" in c}}
+    "pcp2-dcp2-i8-smallpool", "pcp4", "pcp4-dcp4-i1", "pcp4-dcp4-i8", "pcp8",
+    "tp2-pcp2", "tp2-pcp2-dcp2-i1", "tp4-pcp2-dcp2-i8")}
+# Every configuration of several ranks against one GPU on the V1 model runner, which the
+# plugin runs on (vLLM 0.26.0 runs V2 at PCP = 1): CUDA graphs against CUDA graphs
+BASELINE = {c: "pcp1-v1-graphs" if c.endswith("-graphs") else "pcp1-v1"
+            for c in CONFIGS if c not in ("pcp1", "pcp1-graphs", "pcp1-v1", "pcp1-v1-graphs",
+                                          "pcp1-flash-attn")}
+BASELINE["pcp1-flash-attn"] = "pcp1"
 # the feature cases' own configurations (their baselines: exactness_features_cli)
 CONFIGS.update(feature_configs())
 # The noise floor: one GPU against itself, (variant, config) vs (variant, config). CUDA
 # graphs with torch.compile, or another chunk size, compute the same model with other
 # roundings in another order; any exact change of kernel or partition is measured against it.
-FLOOR_PAIRS = ((("chunked", "pcp1-graphs"), ("chunked", "pcp1")),
+FLOOR_PAIRS = ((("chunked", "pcp1"), ("chunked", "pcp1-v1")),  # V2 against V1
+               (("unchunked", "pcp1"), ("unchunked", "pcp1-v1")),
+               (("chunked", "pcp1-graphs"), ("chunked", "pcp1")),
                (("unchunked", "pcp1-graphs"), ("unchunked", "pcp1")),
                (("chunked", "pcp1"), ("unchunked", "pcp1")),
                (("chunked", "pcp1-graphs"), ("unchunked", "pcp1-graphs")))
 TEXT_SUFFIX = "-text"
+FULL_DEPTH_SUFFIX = "-full"
 TEXT_DATA = os.path.join(os.environ.get("DATA_GSM8K", "/tmp/gsm8k"), "train.jsonl")
 SHARED_MODELS = {"smollm2": "/tmp/models/smollm2-135m",
                  "qwen2.5-coder-0.5b": "/tmp/models/qwen2.5-coder-0.5b"}
-# Tokenizers for random models without one (same vocabulary): the feature cases' JSON schema
-FEATURE_TOKENIZERS = {"qwen2.5-3b-shape": SHARED_MODELS["qwen2.5-coder-0.5b"]}
+# Tokenizers for random models without one (same vocabulary): the feature cases' JSON schema.
+# None: the JSON-schema case runs on the real models, with their own tokenizers (a tokenizer
+# that appears between a baseline's run and another's would give them different cases).
+FEATURE_TOKENIZERS: dict[str, str] = {}
 
 
 def build_models(out_dir: str, layers: int, device: str = "cuda",
@@ -105,7 +115,12 @@ def build_models(out_dir: str, layers: int, device: str = "cuda",
 
 
 def _model_dir(name: str, models_dir: str) -> str:
+    """A model's folder: a shared real model, else ``models_dir/NAME``; ``NAME-full``
+    is NAME with all the layers of its config, in ``models_dir-full`` (``models
+    --out-dir DIR-full --layers 1000``)."""
     name = name.removesuffix(TEXT_SUFFIX)
+    if name.endswith(FULL_DEPTH_SUFFIX):
+        return os.path.join(models_dir + FULL_DEPTH_SUFFIX, name.removesuffix(FULL_DEPTH_SUFFIX))
     return SHARED_MODELS.get(name) or os.path.join(models_dir, name)
 
 
@@ -116,17 +131,20 @@ def _prompt_args(name: str, text_data: str) -> list[str]:
 
 def _run_one(args, tmp: str, model: str, variant: str, config: str, env: dict) -> dict:
     out = os.path.join(tmp, f"{model}-{variant}-{config}-t{args.max_tokens}.json")
+    cases = getattr(args, "job_cases", {}).get((model, variant, config), args.cases)
     cmd = [sys.executable, os.path.join(HERE, "exactness_worker.py"),
            "--model", _model_dir(model, args.models_dir), "--variant", variant,
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--max-tokens", str(args.max_tokens), "--out", out, *CONFIGS[config],
-           *_prompt_args(model, getattr(args, "text_data", TEXT_DATA)),
-           *_teacher_args(args, model)]
+           "--cases", cases, *_prompt_args(model, getattr(args, "text_data", TEXT_DATA)),
+           *_teacher_args(args, model, variant), *_feature_tokenizer_args(model, cases)]
     if args.kv_cache_gib:
         cmd += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
+    if getattr(args, "max_model_len", 0):
+        cmd += ["--max-model-len", str(args.max_model_len)]
     return run_worker(cmd, out, "results",
-                      {"model": model, "variant": variant, "config": config}, env,
-                      extra=("kv_capacity_tokens",))
+                      {"model": model, "variant": variant, "config": config},
+                      check_env(env), extra=RAW_KEYS)
 
 
 def _lanes(jobs: list, overlap: bool, lanes: int, gpus: int,
@@ -147,6 +165,25 @@ def _lanes(jobs: list, overlap: bool, lanes: int, gpus: int,
     return [(lane_jobs, env) for lane_jobs, env in out if lane_jobs]
 
 
+def _jobs(args) -> list[tuple[str, str, str]]:
+    """``(model, variant, config)`` of every engine: ``--jobs`` in its order, else every
+    model x variant x config; a job's own case groups go to ``args.job_cases``."""
+    spec = getattr(args, "jobs", "")
+    if not spec:
+        return [(m, v, c) for m in args.models.split(",") for v in args.variants.split(",")
+                for c in args.configs.split(",")]
+    jobs, args.job_cases = [], {}
+    for item in spec.split(","):
+        model, variant, config, *cases = item.split(":")
+        if config not in CONFIGS or len(cases) > 1:
+            raise SystemExit(f"--jobs {item!r}: MODEL:VARIANT:CONFIG[:GROUP+GROUP], "
+                             f"CONFIG one of {', '.join(CONFIGS)}")
+        jobs.append((model, variant, config))
+        if cases:
+            args.job_cases[jobs[-1]] = cases[0].replace("+", ",")
+    return jobs
+
+
 def run(args, run_one=None) -> None:
     """One engine per (model, variant, config), in lanes (see ``_lanes``); ``run_one``
     runs a job (default :func:`_run_one`)."""
@@ -156,8 +193,7 @@ def run(args, run_one=None) -> None:
     raw = {"versions": versions(), "runs": []}
     tmp = f"/tmp/exactness-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
-    jobs = [(m, v, c) for m in args.models.split(",") for v in args.variants.split(",")
-            for c in args.configs.split(",")]
+    jobs = _jobs(args)
     lanes = _lanes(jobs, args.overlap, args.lanes, _gpu_count(),
                    getattr(args, "one_gpu_lanes", None))
     lock, failed = threading.Lock(), threading.Event()
@@ -226,22 +262,39 @@ def _load_runs(paths: list[str]) -> tuple[dict, dict]:
     return runs, host
 
 
-def _meta(args, host: dict) -> dict:
-    """A result file's ``meta``: revision, command, GPU, versions, date and note."""
+def _meta(args, host: dict, runs: dict | None = None) -> dict:
+    """A result file's ``meta``: revision, command, GPU, versions, date, how many GPUs the
+    ranks of the engines shared (``runs``: their raw entries) and the note."""
     meta = {"git_rev": args.git_rev, "command": args.command, "gpu": host.get("gpu"),
             "vllm": host.get("vllm"), "flashinfer": host.get("flashinfer"),
             "torch": host.get("torch"), "date": args.date or datetime.date.today().isoformat()}
+    shared = shared_gpus(runs or {})
+    if shared:
+        meta["ranks_shared_gpus"] = shared
     if args.note:
         meta["note"] = args.note
     return meta
 
 
+def shared_gpus(runs: dict) -> dict | None:
+    """``{"gpus", "configs"}``: the configurations whose ranks shared ``gpus`` GPUs
+    (tests/engine/shared_gpu.py), None when none did."""
+    shared = {run["config"]: run["shared_gpus"] for run in runs.values()
+              if run.get("shared_gpus")}
+    if not shared:
+        return None
+    return {"gpus": max(int(v) for v in shared.values()), "configs": sorted(shared),
+            "note": "every rank of these engines ran on the same GPU(s) and talked over "
+                    "NCCL's network transport on the loopback interface: outputs, not speed"}
+
+
 def compare(args) -> None:
     runs, host = _load_runs(args.raw)
+    runs = {key: run for key, run in runs.items() if run["returncode"] or "results" in run}
     cases = []
     for (model, variant, config), run in sorted(runs.items()):
         base = runs.get((model, variant, BASELINE.get(config, "")))
-        if base is None:
+        if base is None or not _in_layouts(config, getattr(args, "layouts", "all")):
             continue
         label = f"{config} vs {BASELINE[config]}, {variant}"
         if run["returncode"] or base["returncode"]:
@@ -253,7 +306,7 @@ def compare(args) -> None:
                           "error": failed.get("log_tail", "")[-1500:]})
             continue
         cases += _compare_run(model, label, run, base, args.tokens)
-    meta = _meta(args, host)
+    meta = _meta(args, host, runs)
     if args.tokens:
         meta["compared_tokens"] = args.tokens
     summary = _summarize(cases)
@@ -276,6 +329,17 @@ def compare(args) -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(summary))
+
+
+def _in_layouts(config: str, layouts: str) -> bool:
+    """Whether ``config`` is one of ``layouts``: ``all``, ``dcp1`` (a whole KV cache on
+    every rank) or ``dcp`` (the KV cache sharded)."""
+    if layouts == "all":
+        return True
+    from layouts import LAYOUTS
+
+    sharded = LAYOUTS[config].dcp > 1 if config in LAYOUTS else "-dcp" in config
+    return sharded == (layouts == "dcp")
 
 
 def _noise_floor(runs: dict, tokens: int) -> list[dict]:
@@ -311,6 +375,13 @@ def add_run_args(parser, models: dict, configs: str) -> None:
     parser.add_argument("--fail-fast", action="store_true")
     parser.add_argument("--overlap", action="store_true",
                         help="run one-GPU configurations on the last GPU beside the others")
+    parser.add_argument("--jobs", default="",
+                        help="MODEL:VARIANT:CONFIG[:GROUP+GROUP],...: these engines in this "
+                             "order (with their own case groups) instead of every model x "
+                             "variant x config")
+    parser.add_argument("--cases", default="standard",
+                        help="the worker's case groups, comma-separated (standard, features, "
+                             "same-step, preemption, none), all on each engine")
 
 
 def add_result_args(parser) -> None:
@@ -332,7 +403,7 @@ def main() -> None:
     m.add_argument("--device", default="cuda")
     m.add_argument("--only", default="", help="comma-separated model names (default: all)")
     r = sub.add_parser("run")
-    add_run_args(r, {"required": True}, "pcp1,pcp2")
+    add_run_args(r, {"default": ""}, "pcp1-v1,pcp2")
     r.add_argument("--lanes", type=int, default=1,
                    help="with --overlap: lanes of jobs on several GPUs")
     r.add_argument("--one-gpu-lanes", type=int, default=None,
@@ -342,15 +413,23 @@ def main() -> None:
                         "other engines on the same GPU would disturb")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     r.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
+    r.add_argument("--max-model-len", type=int, default=0,
+                   help="every engine's max_model_len (default: the worker's, from the "
+                        "model and --max-tokens); past a model's own positions it needs "
+                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
     r.add_argument("--text-data", default=TEXT_DATA,
                    help="GSM8K JSONL for models named NAME-text (real-text prompts)")
     r.add_argument("--teacher", default="",
-                   help="a raw file of a pcp1 run: score its greedy outputs appended to the "
-                        "prompts (prompt_logprobs) instead of generating; --max-tokens as there")
+                   help="a raw file of a pcp1-v1 run: score its greedy outputs appended to "
+                        "the prompts (prompt_logprobs) after the --cases; 'self': each "
+                        "engine its own; chunked runs only; --max-tokens as there")
     c = sub.add_parser("compare")
     add_result_args(c)
     c.add_argument("--tokens", type=int, default=0,
                    help="compare only the first N generated tokens of each output")
+    c.add_argument("--layouts", choices=("all", "dcp1", "dcp"), default="all",
+                   help="only configurations with a whole KV cache per rank (dcp1) or a "
+                        "sharded one (dcp); the one-GPU noise floor in either")
     c.add_argument("--date", default="", help="date of the GPU run (default: today)")
     c.add_argument("--bench-raw", default="",
                    help="bench_pcp.py raw run whose KV pools (pcp2, pcp2-dcp2) go into kv_capacity")

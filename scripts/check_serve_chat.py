@@ -1,9 +1,10 @@
-"""One OpenAI-API chat completion from ``vllm serve`` at PCP = 1 and PCP = 2.
+"""One OpenAI-API chat completion from ``vllm serve`` at PCP = 1, PCP = 2 and PCP = 2 x DCP = 2.
 
     python scripts/check_serve_chat.py --model /tmp/models/smollm2-135m \
         --git-rev REV --out tests/gpu/results/serve-chat-pcp.json
 
-Starts the server once per PCP size, sends the same greedy chat request, a
+Starts one server per layout (its ranks share the host's GPUs where it has fewer:
+tests/engine/shared_gpu.py), sends the same greedy chat request, a
 malformed one that must come back as a 4xx while the server keeps serving, and
 long prompts whose clients hang up mid-prefill (the server aborts them; every
 rank must drop them in the same step, or the next request hangs or differs).
@@ -23,12 +24,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_runs import check_env  # noqa: E402
+from layouts import LAYOUTS as ALL_LAYOUTS  # noqa: E402
 from layouts import serve_flags  # noqa: E402
 
-# the layout of each PCP size (scripts/layouts.py): eager, FLASHINFER at both sizes (vLLM
-# would pick FLASH_ATTN for PCP = 1), and at PCP = 2 the short chat prompt split too (the
-# default keeps it whole)
-LAYOUT_OF_PCP = {1: "pcp1", 2: "pcp2-split-all"}
+# the layouts (scripts/layouts.py), the first the one the others are held to: eager,
+# FLASHINFER everywhere (vLLM would pick FLASH_ATTN for PCP = 1), and at PCP = 2 the short
+# chat prompt split too (the default keeps it whole)
+LAYOUTS = ("pcp1", "pcp2-split-all", "pcp2-dcp2-split-all")
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as "
             "many clips in May. How many clips did Natalia sell altogether in April and "
             "May? Explain step by step.")
@@ -104,6 +107,12 @@ def _ask(port: int, model: str) -> dict:
             "text_after_abort": after_abort.choices[0].message.content}
 
 
+def _shared_gpus_in_log(log_path: str) -> bool:
+    """Whether the server's ranks shared GPUs (the harness's start-up warning)."""
+    with open(log_path) as f:
+        return "vllm-pcp test harness:" in f.read()
+
+
 def _aborts_in_log(log_path: str) -> int:
     """Requests the server logged as aborted by their client's hang-up
     (``--enable-log-requests``: "Request ID aborted.")."""
@@ -111,9 +120,9 @@ def _aborts_in_log(log_path: str) -> int:
         return len(re.findall(r"Request \S+ aborted\.", f.read()))
 
 
-def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
+def serve_and_ask(model: str, layout: str, port: int, log_path: str) -> dict:
     cmd = [sys.executable, "-c", "from vllm.entrypoints.cli.main import main; main()",
-           "serve", model, "--port", str(port), *serve_flags(LAYOUT_OF_PCP[pcp]),
+           "serve", model, "--port", str(port), *serve_flags(layout),
            "--max-model-len", "4096",
            # a fixed KV pool: both servers share the GPUs, so no memory profiling
            "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(2 << 30),
@@ -122,16 +131,17 @@ def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
            "--enable-log-requests"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **check_env()})
+    lay = ALL_LAYOUTS[layout]
+    head = {"layout": layout, "pcp": lay.pcp, "dcp": lay.dcp, "command": " ".join(cmd)}
     try:
         _wait_healthy(port, proc)
         answers = _ask(port, model)
-        return {"pcp": pcp, "command": " ".join(cmd), **answers,
-                "aborted_in_log": _aborts_in_log(log_path)}
+        return {**head, **answers, "aborted_in_log": _aborts_in_log(log_path),
+                "ranks_shared_gpus": _shared_gpus_in_log(log_path)}
     except Exception as exc:
         with open(log_path) as f:
-            return {"pcp": pcp, "command": " ".join(cmd), "error": repr(exc),
-                    "log_tail": f.read()[-4000:]}
+            return {**head, "error": repr(exc), "log_tail": f.read()[-4000:]}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
@@ -139,6 +149,25 @@ def serve_and_ask(model: str, pcp: int, port: int, log_path: str) -> dict:
 
 CHECKS = ("same_text", "bad_request_is_4xx", "serves_after_bad_request",
           "serves_after_abort_mid_prefill")
+
+
+def judge(runs: list[dict]) -> dict:
+    """:data:`CHECKS` over the servers' answers, each held to the first server's text."""
+    ok = bool(runs) and all("error" not in r for r in runs)
+    base = runs[0] if ok else {}
+    diffs = [abs(a - b) for r in runs[1:] if ok
+             for a, b in zip(base["token_logprobs"], r["token_logprobs"])]
+    return {
+        "same_text": ok and all(r["text"] == base["text"] for r in runs),
+        "max_abs_logprob_diff": max(diffs, default=None),
+        "bad_request_is_4xx": ok and all(400 <= r["bad_request_status"] < 500 for r in runs),
+        "serves_after_bad_request": ok and all(r["text_after_bad_request"] == r["text"]
+                                               for r in runs),
+        # every hung-up client's request aborted, and the next answer unchanged
+        "serves_after_abort_mid_prefill": ok and all(
+            r["clients_hung_up"] == ABORTED_PROMPTS == r["aborted_in_log"]
+            and r["text_after_abort"] == r["text"] for r in runs),
+    }
 
 
 def all_checks_pass(result: dict) -> bool:
@@ -155,27 +184,13 @@ def main() -> None:
     args = ap.parse_args()
     from gpu_runs import versions
 
-    with ThreadPoolExecutor(2) as pool:  # both servers at once
-        runs = list(pool.map(lambda pcp: serve_and_ask(
-            args.model, pcp, 8100 + pcp, os.path.join(args.log_dir, f"serve-pcp{pcp}.log")),
-            (1, 2)))
-    ok = all("error" not in r for r in runs)
-    diffs = [abs(a - b) for a, b in zip(runs[0].get("token_logprobs", []),
-                                        runs[1].get("token_logprobs", []))]
-    result = {
-        "meta": {"git_rev": args.git_rev, "command": " ".join(sys.argv), **versions(),
-                 "date": datetime.date.today().isoformat()},
-        "runs": runs,
-        "same_text": ok and runs[0]["text"] == runs[1]["text"],
-        "max_abs_logprob_diff": max(diffs, default=None),
-        "bad_request_is_4xx": ok and all(400 <= r["bad_request_status"] < 500 for r in runs),
-        "serves_after_bad_request": ok and all(r["text_after_bad_request"] == r["text"]
-                                               for r in runs),
-        # every hung-up client's request aborted, and the next answer unchanged
-        "serves_after_abort_mid_prefill": ok and all(
-            r["clients_hung_up"] == ABORTED_PROMPTS == r["aborted_in_log"]
-            and r["text_after_abort"] == r["text"] for r in runs),
-    }
+    with ThreadPoolExecutor(len(LAYOUTS)) as pool:  # the servers at once
+        runs = list(pool.map(lambda i: serve_and_ask(
+            args.model, LAYOUTS[i], 8101 + i,
+            os.path.join(args.log_dir, f"serve-{LAYOUTS[i]}.log")), range(len(LAYOUTS))))
+    result = {"meta": {"git_rev": args.git_rev, "command": " ".join(sys.argv), **versions(),
+                       "date": datetime.date.today().isoformat()},
+              "runs": runs, **judge(runs)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}))

@@ -12,7 +12,7 @@ import sys
 from exactness_features import (PREEMPT_CAPACITY_TOKENS, PREEMPT_MAX_MODEL_LEN,
                                 REFUSAL_TIMEOUT_S, SLIDING_WINDOW_PATTERN,
                                 judge_feature_case, refusal_case, refusal_record)
-from gpu_runs import run_worker
+from gpu_runs import RAW_KEYS, check_env, run_worker
 from layouts import CONTEXT_EXCHANGES as FEATURE_EXCHANGES
 from layouts import worker_flags
 
@@ -25,19 +25,20 @@ def feature_configs() -> dict:
            for i in (1, 16) for way in FEATURE_EXCHANGES},
         # -pcp 2 -dcp 2 with fp8 must be refused (the plugin's DCP runs unquantized caches)
         **{f"{name}-fp8": [*worker_flags(name), "--kv-cache-dtype", "fp8"]
-           for name in ("pcp1", "pcp2", "pcp2-dcp2-i1")},
-        # the same scheduler pool of PREEMPT_CAPACITY_TOKENS everywhere: a DCP rank holds half
+           for name in ("pcp1-v1", "pcp2", "pcp4", "pcp2-dcp2-i1")},
+        # the same scheduler pool of PREEMPT_CAPACITY_TOKENS everywhere: a DCP rank holds
+        # 1/DCP of it
         **{f"{name}-preempt": [*worker_flags(name), "--kv-pool-tokens",
                                str(PREEMPT_CAPACITY_TOKENS // dcp),
                                "--max-model-len", str(PREEMPT_MAX_MODEL_LEN)]
-           for name, dcp in (("pcp1", 1), ("pcp2", 1), ("pcp2-dcp2-i1", 2),
+           for name, dcp in (("pcp1-v1", 1), ("pcp2", 1), ("pcp4", 1), ("pcp2-dcp2-i1", 2),
                              ("pcp2-dcp2-i16", 2))}}
 
 
 FEATURE_DEFAULT_CONFIGS = ",".join(
-    ["pcp1", "pcp2", *(f"pcp2-dcp2-i{i}-{way}" for i in (1, 16) for way in FEATURE_EXCHANGES),
-     "pcp1-fp8", "pcp2-fp8", "pcp2-dcp2-i1-fp8",
-     *(f"{name}-preempt" for name in ("pcp1", "pcp2", "pcp2-dcp2-i1", "pcp2-dcp2-i16"))])
+    ["pcp1-v1", "pcp2", *(f"pcp2-dcp2-i{i}-{way}" for i in (1, 16) for way in FEATURE_EXCHANGES),
+     "pcp1-v1-fp8", "pcp2-fp8", "pcp2-dcp2-i1-fp8",
+     *(f"{name}-preempt" for name in ("pcp1-v1", "pcp2", "pcp2-dcp2-i1", "pcp2-dcp2-i16"))])
 # What must stop at start-up, by model (every configuration) or by configuration, and a
 # regular expression the error must match
 FEATURE_REFUSED_MODELS = {"mistral-swa512": SLIDING_WINDOW_PATTERN}
@@ -56,21 +57,22 @@ def _feature_group(config: str) -> str:
 
 def _feature_baseline(config: str) -> str | None:
     """The one-GPU configuration a feature configuration is compared with (None: it
-    is one)."""
+    is one): one GPU on the V1 runner, whose seeded samples the plugin's runner draws."""
     for suffix in ("-preempt", "-fp8"):
         if config.endswith(suffix):
-            return None if config == "pcp1" + suffix else "pcp1" + suffix
-    return None if config == "pcp1" else "pcp1"
+            return None if config == "pcp1-v1" + suffix else "pcp1-v1" + suffix
+    return None if config == "pcp1-v1" else "pcp1-v1"
 
 
 def _refusal_pattern(model: str, config: str) -> str | None:
     return FEATURE_REFUSED_MODELS.get(model) or FEATURE_REFUSED_CONFIGS.get(config)
 
 
-def _feature_tokenizer_args(model: str) -> list[str]:
+def _feature_tokenizer_args(model: str, cases: str = "features") -> list[str]:
+    """A tokenizer for a random model's JSON-schema case, where its groups run it."""
     from check_exactness import FEATURE_TOKENIZERS
 
-    path = FEATURE_TOKENIZERS.get(model)
+    path = FEATURE_TOKENIZERS.get(model) if "features" in cases.split(",") else None
     return ["--tokenizer", path] if path and os.path.isdir(path) else []
 
 
@@ -85,15 +87,18 @@ def _run_feature_one(args, tmp: str, model: str, variant: str, config: str,
     cmd = [sys.executable, os.path.join(HERE, "exactness_worker.py"),
            "--model", _model_dir(model, args.models_dir), "--variant", variant,
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--max-tokens", str(args.max_tokens), "--out", out, *CONFIGS[config],
+           "--max-tokens", str(args.max_tokens), "--out", out,
+           # a configuration's own --max-model-len (the preemption pool's) comes later, wins
+           *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+           *CONFIGS[config],
            "--cases", "none" if pattern else _feature_group(config),
            *_feature_tokenizer_args(model)]
     if args.kv_cache_gib:
         cmd += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
     entry = {"model": model, "variant": variant, "config": config}
     if pattern:
-        return _run_refusal(cmd, entry, env, pattern, args.refusal_timeout)
-    return run_worker(cmd, out, "results", entry, env, extra=("kv_capacity_tokens",))
+        return _run_refusal(cmd, entry, check_env(env), pattern, args.refusal_timeout)
+    return run_worker(cmd, out, "feature_results", entry, check_env(env), extra=RAW_KEYS)
 
 
 def _run_refusal(cmd: list[str], entry: dict, env: dict, pattern: str,
@@ -132,16 +137,17 @@ def _feature_cases(model: str, label: str, run: dict, base: dict, tokens: int) -
                  "first_divergence": None, "max_abs_logprob_diff": None, "passed": False,
                  "errors": failed.get("errors", []),
                  "error": failed.get("log_tail", "")[-1500:]}]
-    base_results = {res["case"]: res for res in base["results"]}
-    shared = [res for res in run["results"] if res["case"] in base_results]
-    cases = _compare_run(model, label, {**run, "results": shared}, base, tokens)
+    base_results = {res["case"]: res for res in base["feature_results"]}
+    shared = [res for res in run["feature_results"] if res["case"] in base_results]
+    cases = _compare_run(model, label, {**run, "results": shared},
+                         {**base, "results": base["feature_results"]}, tokens)
     cases = [judge_feature_case(case, res, base_results[res["case"]])
              for case, res in zip(cases, shared)]
     return cases + [{"model": model, "config": label, "case": res["case"],
                      "prompt_lens": res["prompt_lens"], "first_divergence": None,
                      "max_abs_logprob_diff": None, "passed": False,
                      "error": "the baseline did not run this case"}
-                    for res in run["results"] if res["case"] not in base_results]
+                    for res in run["feature_results"] if res["case"] not in base_results]
 
 
 def _feature_summary(cases: list[dict]) -> dict:
@@ -166,6 +172,8 @@ def features_compare(args) -> None:
     from check_exactness import _load_runs, _meta
 
     runs, host = _load_runs(args.raw)
+    runs = {key: run for key, run in runs.items()
+            if run["returncode"] or "refusal" in run or "feature_results" in run}
     cases = []
     for (model, variant, config), run in sorted(runs.items()):
         if "refusal" in run:
@@ -176,7 +184,7 @@ def features_compare(args) -> None:
         if base is not None:
             cases += _feature_cases(model, f"{config} vs {base_config}, {variant}", run, base,
                                     args.tokens)
-    meta = _meta(args, host)
+    meta = _meta(args, host, runs)
     if args.tokens:
         meta["compared_tokens"] = args.tokens
     summary = _feature_summary(cases)
@@ -211,6 +219,8 @@ def add_features_parser(sub) -> None:
     r.add_argument("--kv-cache-gib", type=float, default=0.0)
     r.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     r.add_argument("--max-tokens", type=int, default=32)
+    r.add_argument("--max-model-len", type=int, default=0,
+                   help="as for run: every engine's max_model_len but the preemption pool's")
     r.add_argument("--refusal-timeout", type=float, default=REFUSAL_TIMEOUT_S,
                    help="seconds after which a run that must be refused counts as hung")
     c = fsub.add_parser("compare")

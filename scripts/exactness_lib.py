@@ -104,7 +104,7 @@ def compare_outputs(a: dict, b: dict, top_k: int = 5) -> dict:
 # to each prompt and scored with prompt_logprobs by every configuration. A rounding
 # difference moves the log-probability of the given token a little at the positions after
 # it, and never changes which tokens later positions see, so nothing cascades.
-TEACHER_SOURCE = {"config": "pcp1", "variant": "chunked"}
+TEACHER_SOURCE = {"config": "pcp1-v1", "variant": "chunked"}
 OVER_LIMIT = 1.0  # a position whose |logprob difference| exceeds this fails the goal
 
 
@@ -115,10 +115,15 @@ def teacher_continuations(raw: dict, model: str) -> dict[str, dict]:
     for run in raw["runs"]:
         if (run["model"] == model and run["config"] == TEACHER_SOURCE["config"]
                 and run["variant"] == TEACHER_SOURCE["variant"] and not run["returncode"]):
-            return {res["case"]: {"prompt_lens": res["prompt_lens"],
-                                  "token_ids": [out["token_ids"] for out in res["outputs"]]}
-                    for res in run["results"]}
+            return continuations_of(run["results"])
     raise ValueError(f"no successful {TEACHER_SOURCE} run of {model} to take continuations from")
+
+
+def continuations_of(results: list[dict]) -> dict[str, dict]:
+    """``case -> {"prompt_lens", "token_ids"}`` of the standard cases' greedy outputs."""
+    return {res["case"]: {"prompt_lens": res["prompt_lens"],
+                          "token_ids": [out["token_ids"] for out in res["outputs"]]}
+            for res in results}
 
 
 def teacher_prompts(prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:

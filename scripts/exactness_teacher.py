@@ -9,22 +9,33 @@ import os
 
 import numpy as np
 
-from exactness_lib import abs_logprob_diffs, diff_stats, teacher_goal
+from exactness_lib import TEACHER_SOURCE, abs_logprob_diffs, diff_stats, teacher_goal
 
 # Teacher-forced floors: one GPU against itself, configuration -> its baseline.
 TEACHER_FLOORS = {"pcp1-graphs": "pcp1", "pcp1-flash-attn": "pcp1"}
-# The goal: at most this many times the larger floor, at max and at p99.
-TEACHER_GOALS = {"pcp2": 1.0, "pcp2-dcp2-i1": 1.5, "pcp2-dcp2-i16": 1.5}
-TEACHER_MEASURE = ("teacher-forced: the pcp1 greedy output of each prompt (chunked, eager) "
+# The goal: at most this many times the larger floor, at max and at p99 (the configurations
+# of several ranks; with -dcp the merge of partial states rounds once more)
+TEACHER_GOALS = {**{c: 1.0 for c in ("pcp2", "pcp2-graphs", "pcp4", "pcp8", "tp2-pcp2")},
+                 **{c: 1.5 for c in ("pcp2-dcp2-i1", "pcp2-dcp2-i8", "pcp2-dcp2-i16",
+                                     "pcp2-dcp2-i8-graphs", "pcp4-dcp4-i1", "pcp4-dcp4-i8",
+                                     "tp2-dcp2-i1", "tp2-dcp2-i8", "tp2-pcp2-dcp2-i1",
+                                     "tp4-pcp2-dcp2-i8")}}
+TEACHER_MEASURE = ("teacher-forced: the pcp1-v1 greedy output of each prompt (chunked, eager) "
                    "appended to it and scored with prompt_logprobs=0; per case, over the "
                    "continuation positions of its prompts, |logprob of the given token - the "
                    "baseline's|: max, p99 (linear interpolation), positions over 1.0")
 
 
-def _teacher_args(args, model: str) -> list[str]:
-    """Worker flags of ``run --teacher RAW``: score RAW's continuations of ``model``."""
+def _teacher_args(args, model: str, variant: str) -> list[str]:
+    """Worker flags of ``run --teacher RAW``: score RAW's continuations of ``model`` (or,
+    for ``self``, the engine's own), in the source's variant only (prompt_logprobs of an
+    unchunked 32K prompt would hold its logits over the whole vocabulary at once)."""
     teacher = getattr(args, "teacher", "")
-    return ["--teacher", os.path.abspath(teacher), "--teacher-model", model] if teacher else []
+    if not teacher or variant != TEACHER_SOURCE["variant"]:
+        return []
+    if teacher == "self":
+        return ["--teacher", "self"]
+    return ["--teacher", os.path.abspath(teacher), "--teacher-model", model]
 
 
 def _teacher_base(config: str) -> str | None:
@@ -37,8 +48,8 @@ def _teacher_case_rows(model: str, label: str, run: dict, base: dict) -> tuple[l
     """One row per scored case of ``run`` against the same case of ``base``, and each
     case's |logprob differences| (None where the two cannot be compared)."""
     rows, diffs = [], []
-    base_cases = {res["case"]: res for res in base["results"]}
-    for res in run["results"]:
+    base_cases = {res["case"]: res for res in base["scores"]}
+    for res in run["scores"]:
         row = {"model": model, "config": label, "case": res["case"],
                "prompt_lens": res["prompt_lens"]}
         try:
@@ -101,9 +112,11 @@ def teacher(args) -> None:
     from check_exactness import _load_runs, _meta
 
     runs, host = _load_runs(args.raw)
+    runs = {key: run for key, run in runs.items() if run["returncode"] or "scores" in run}
     rows, floor_rows, pooled = _teacher_rows(runs)
     summary = _teacher_summary(pooled)
-    result = {"meta": {**_meta(args, host), "measure": TEACHER_MEASURE}, "summary": summary,
+    result = {"meta": {**_meta(args, host, runs), "measure": TEACHER_MEASURE},
+              "summary": summary,
               "cases": rows, "noise_floor_cases": floor_rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -12,12 +12,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exactness_lib import (MAX_TOKENS, build_cases, render_gsm8k,  # noqa: E402
-                           teacher_continuations, teacher_prompts, text_prompt)
+from exactness_lib import (MAX_TOKENS, build_cases, continuations_of,  # noqa: E402
+                           render_gsm8k, teacher_continuations, teacher_prompts,
+                           text_prompt)
 from exactness_features import (ENGINE_START_MARK, add_feature_args,  # noqa: E402
                                 engine_feature_args, run_feature_group)
 from kv_capacity import kv_bytes_per_token, pool_tokens  # noqa: E402
 from layouts import NO_ALLREDUCE_FUSION  # noqa: E402
+
+# set in the engine's processes when its ranks share GPUs (tests/engine/shared_gpu.py)
+SHARED_GPUS_ENGAGED = "VLLM_PCP_TEST_SHARED_GPUS_ENGAGED"
 
 from vllm_pcp.config import CONTEXT_EXCHANGES  # noqa: E402
 
@@ -177,6 +181,8 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="unchunked")
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--ray", action="store_true", help="Ray as the distributed executor")
+    ap.add_argument("--v1-runner", action="store_true",
+                    help="vLLM's V1 model runner (the plugin's) at PCP = 1 too")
     ap.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     ap.add_argument("--interleave", type=int, default=1, help="--cp-kv-cache-interleave-size")
     ap.add_argument("--dcp-context-exchange", choices=CONTEXT_EXCHANGES,
@@ -196,8 +202,9 @@ def _parse_args() -> argparse.Namespace:
                          "--kv-cache-memory-bytes)")
     ap.add_argument("--teacher", default="",
                     help="a raw file of check_exactness.py run: score its one-GPU greedy "
-                         "outputs appended to the prompts (prompt_logprobs) instead of "
-                         "generating; --max-tokens as in that run")
+                         "outputs appended to the prompts (prompt_logprobs) after the "
+                         "--cases; 'self': this engine's own outputs of the standard "
+                         "cases; --max-tokens as in that run")
     ap.add_argument("--teacher-model", default="",
                     help="with --teacher: the model's name in that file")
     add_feature_args(ap)
@@ -205,12 +212,43 @@ def _parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def main() -> None:
-    args = _parse_args()
-    continuations = None
-    if args.teacher:
+def _step_counts(llm) -> list[dict] | None:
+    """Each rank's :class:`vllm_pcp.runner.PCPStepCounts`; None where the plugin's worker
+    does not run (one GPU)."""
+    try:
+        return llm.collective_rpc("pcp_step_counts")
+    except Exception:  # the stock worker has no such method
+        return None
+
+
+def run_groups(llm, args, cases, max_prompt_len: int, vocab_size: int,
+               tokenizer) -> dict:
+    """The ``--cases`` groups on one engine, then ``--teacher``'s scoring: the worker's
+    output keys ``results`` (standard cases), ``feature_results`` and ``scores``."""
+    groups = [g for g in args.cases.split(",") if g and g != "none"]
+    out: dict = {}
+    if "standard" in groups:
+        out["results"] = run_cases(llm, cases, args.max_tokens)
+    features = [g for g in groups if g != "standard"]
+    if features:
+        out["feature_results"] = [
+            res for g in features for res in run_feature_group(
+                llm, g, max_prompt_len, vocab_size, args.max_tokens, tokenizer)]
+    if args.teacher == "self":  # this engine's own greedy outputs, scored
+        if "results" not in out:
+            raise SystemExit("--teacher self scores the standard cases: add them to --cases")
+        out["scores"] = score_cases(llm, cases, continuations_of(out["results"]))
+    elif args.teacher:
         with open(args.teacher) as f:
             continuations = teacher_continuations(json.load(f), args.teacher_model)
+        out["scores"] = score_cases(llm, cases, continuations)
+    return out
+
+
+def main() -> None:
+    args = _parse_args()
+    if args.v1_runner:  # read by vLLM when it picks the runner
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     from vllm import LLM
 
     with open(os.path.join(args.model, "config.json")) as f:
@@ -232,26 +270,24 @@ def main() -> None:
               decode_context_parallel_size=args.dcp,
               cp_kv_cache_interleave_size=args.interleave,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              enable_flashinfer_autotune=False,  # kernel tactics: speed, on both sides
               additional_config=_knobs(args), **_compilation(args),
               **engine_feature_args(args))
     kv_capacity_tokens = pool_tokens(llm.llm_engine.vllm_config.cache_config, args.dcp)
     make_prompt = (text_prompts(llm.get_tokenizer(), args.text_prompts)
                    if args.text_prompts else None)
-    cases = build_cases(max_model_len - args.max_tokens - 8, hf["vocab_size"], make_prompt)
-    if args.cases != "standard":  # a group of exactness_features cases instead
-        results = run_feature_group(llm, args.cases, max_model_len - args.max_tokens - 8,
-                                    hf["vocab_size"], args.max_tokens,
-                                    llm.get_tokenizer() if has_tokenizer else None)
-    else:
-        results = (score_cases(llm, cases, continuations) if continuations is not None
-                   else run_cases(llm, cases, args.max_tokens))
+    max_prompt_len = max_model_len - args.max_tokens - 8
+    cases = build_cases(max_prompt_len, hf["vocab_size"], make_prompt)
+    out = run_groups(llm, args, cases, max_prompt_len, hf["vocab_size"],
+                     llm.get_tokenizer() if has_tokenizer else None)
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "pcp": args.pcp, "tp": args.tp,
                    "variant": args.variant, "cuda_graphs": args.cuda_graphs,
                    "attention_backend": args.attention_backend, "ray": args.ray,
                    "dcp": args.dcp, "interleave": args.interleave,
-                   "kv_capacity_tokens": kv_capacity_tokens, "teacher": args.teacher,
-                   "results": results}, f)
+                   "v1_runner": args.v1_runner, "kv_capacity_tokens": kv_capacity_tokens,
+                   "teacher": args.teacher, "step_counts": _step_counts(llm),
+                   "shared_gpus": os.environ.get(SHARED_GPUS_ENGAGED), **out}, f)
 
 
 if __name__ == "__main__":

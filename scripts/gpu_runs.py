@@ -6,9 +6,18 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 
 from layouts import NO_ALLREDUCE_FUSION  # noqa: F401  (the workers' and benches' TP > 1)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                "engine"))
+import shared_gpu  # noqa: E402
+
+# what a raw entry keeps of an exactness worker's file besides its main key
+RAW_KEYS = ("results", "feature_results", "scores", "kv_capacity_tokens", "step_counts",
+            "shared_gpus")
 
 # "RuntimeError: ..." after any "(Worker pid=N) ERROR ... [file.py:N]" prefix
 _ERROR_LINE = re.compile(r"(?:^|\s)((?:\w+\.)*\w*(?:Error|Exception): .*)$")
@@ -18,7 +27,7 @@ def versions() -> dict:
     """torch, vllm, flashinfer and the GPUs of this host."""
     import torch
 
-    out = {"torch": torch.__version__,
+    out = {"torch": torch.__version__, "gpu_count": torch.cuda.device_count(),
            "gpu": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"}
     for mod in ("vllm", "flashinfer"):
         try:
@@ -26,6 +35,13 @@ def versions() -> dict:
         except Exception as exc:  # recorded, not fatal
             out[mod] = f"unavailable: {exc}"
     return out
+
+
+def check_env(env: dict | None = None) -> dict:
+    """An engine check's environment: ``env`` over the harness that lets its ranks share
+    the host's GPUs where it has fewer than the engine's world size
+    (tests/engine/shared_gpu.py). Benchmarks never take it: shared GPUs time nothing."""
+    return {**shared_gpu.env(), **(env or {})}
 
 
 def run_worker(cmd: list[str], out: str, key: str, entry: dict, env: dict | None = None,

@@ -28,6 +28,7 @@ NO_ALLREDUCE_FUSION = {"pass_config": {"fuse_allreduce_rms": False}}
 CONTEXT_EXCHANGES = ("auto", "queries", "keys")  # vllm_pcp.config.CONTEXT_EXCHANGES
 # pcp2-dcp2-i8-smallpool's KV pool per rank: smaller than the longest exactness prompt (32768)
 SMALL_POOL_TOKENS = 20480
+V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Layout:
     env: dict = field(default_factory=dict)
     cuda_graphs: bool = False  # False: --enforce-eager (the checks); the benches pick
     ray: bool = False  # --distributed-executor-backend ray
+    v1_runner: bool = False  # VLLM_USE_V2_MODEL_RUNNER=0: the V1 runner the plugin runs on
     attention_backend: str = "FLASHINFER"
     worker_extra: tuple[str, ...] = ()  # exactness_worker flags with no vllm serve form
 
@@ -53,6 +55,10 @@ LAYOUTS: dict[str, Layout] = {
     "pcp1-stock": Layout(env={"VLLM_PLUGINS": "none"}),
     "pcp1": Layout(),
     "pcp1-graphs": Layout(cuda_graphs=True),
+    # one GPU on vLLM's V1 model runner, the one the plugin subclasses (vLLM 0.26.0 runs
+    # V2 at PCP = 1; the two draw seeded samples differently): the checks' baseline
+    "pcp1-v1": Layout(v1_runner=True, env=V1_RUNNER_ENV),
+    "pcp1-v1-graphs": Layout(v1_runner=True, env=V1_RUNNER_ENV, cuda_graphs=True),
     # the one-GPU noise floor: another attention kernel (FlashAttention) against FlashInfer
     "pcp1-flash-attn": Layout(attention_backend="FLASH_ATTN"),
     "pcp2": Layout(pcp=2),
@@ -63,6 +69,7 @@ LAYOUTS: dict[str, Layout] = {
     # every prompt split, the short chat and gsm8k prompts too (the default keeps them whole)
     "pcp2-dcp2-split-all": _dcp(1, knobs={"pcp_min_split_tokens": 2}),
     "tp2": Layout(tp=2),
+    "tp2-pcp2-split-all": Layout(tp=2, pcp=2, knobs={"pcp_min_split_tokens": 2}),
     "pcp2-dcp2": _dcp(1),
     **{f"pcp2-dcp2-{way}": _dcp(1, knobs={"pcp_dcp_context_exchange": way})
        for way in ("queries", "keys")},
@@ -75,6 +82,14 @@ LAYOUTS: dict[str, Layout] = {
     # DCP inside TP (PCP = 1): models with fewer KV heads than -tp
     **{f"tp2-dcp2-i{i}": Layout(tp=2, dcp=2, interleave=i) for i in (1, 8, 16)},
     "tp2-dcp2-i8-graphs": Layout(tp=2, dcp=2, interleave=8, cuda_graphs=True),
+    # more ranks, and -tp with -pcp (the plugin's DCP then spans the PCP ranks of a TP rank)
+    "pcp4": Layout(pcp=4),
+    **{f"pcp4-dcp4-i{i}": Layout(pcp=4, dcp=4, interleave=i) for i in (1, 8)},
+    "pcp8": Layout(pcp=8),
+    "tp2-pcp2": Layout(tp=2, pcp=2),
+    "tp2-pcp2-dcp2-i1": Layout(tp=2, pcp=2, dcp=2, interleave=1),
+    # the test plan of vLLM's GQA FlashInfer PCP pull request: 8 ranks
+    "tp4-pcp2-dcp2-i8": Layout(tp=4, pcp=2, dcp=2, interleave=8),
     # a per-rank KV pool smaller than the longest prompt: only the sharded cache fits it
     "pcp2-dcp2-i8-smallpool": _dcp(8, worker_extra=("--kv-pool-tokens", str(SMALL_POOL_TOKENS))),
 }
@@ -135,6 +150,8 @@ def worker_flags(name: str) -> list[str]:
         flags.append("--cuda-graphs")
     if lay.ray:
         flags.append("--ray")
+    if lay.v1_runner:
+        flags.append("--v1-runner")
     if lay.attention_backend != "FLASHINFER":
         flags += ["--attention-backend", lay.attention_backend]
     return [*flags, *lay.worker_extra]

@@ -13,49 +13,30 @@
 #   kernels    pytest tests/gpu (FlashInfer kernels as driven here vs the reference);
 #              OUT_DIR/kernels.json: pass counts by test, outcomes, git revision (GIT_REV,
 #              else git's HEAD), GPU, versions, date (tests/gpu/results/kernels.json)
-#   exact-pcp  PCP=2 vs PCP=1 on the random models and SmolLM2 (/tmp/models/smollm2-135m),
-#              chunked prefill on and off, plus CUDA graphs and Ray; engines side by side
-#              in lanes, each on a fixed 2 GiB KV pool (no memory profiling to disturb)
-#   exact-dcp  PCP x DCP at interleave 1, 8, 16 against PCP=1, 256 greedy tokens, and at 8
-#              with CUDA graphs against PCP=1 with CUDA graphs; one GPU
-#              on FlashAttention against FlashInfer (the noise floor of a kernel change);
-#              one run whose KV pool per rank (20480 tokens) is smaller than its longest
-#              prompt (32768); DCP_CONFIGS and DCP_UNCHUNKED_CONFIGS pick configurations
-#              (also pcp2-dcp2-i8-keys / -queries: one context exchange forced); and the
-#              real models of DCP_TEXT_MODELS (default smollm2-text; empty: none) on GSM8K
-#              text (DATA_GSM8K) under DCP_TEXT_CONFIGS
-#   exact-tp-dcp  -tp 2 -dcp 2 (PCP = 1) at interleave 1, 8, 16 and with CUDA graphs
-#              against PCP = 1, the 1-kv-head model, chunked and unchunked prefill
-#              (TP_DCP_CONFIGS picks configurations)
-#   exact-features  the feature cases against PCP=1 on FlashInfer (check_exactness.py
-#              features, scripts/exactness_features.py): n = 4 seeded sampling, a same-step
-#              burst under each pcp_dcp_context_exchange, split prompts of odd and even
-#              lengths, prompt_logprobs, a JSON schema, penalties, fp8 KV (refused with
-#              -dcp), preemption in a 12288-token pool; -pcp 2 and -pcp 2 -dcp 2 (interleave
-#              1, 16), chunked and unchunked, on FEATURE_MODELS (default qwen2.5-3b-shape,
-#              FEATURE_CONFIGS its configurations) and the MoE model qwen3-moe-8e
-#              (FEATURE_MOE_CONFIGS); the sliding-window model mistral-swa512 must be refused
-#              at start-up, error text and seconds to failure recorded (FEATURE_SWA_CONFIGS;
-#              empty: none); FEATURE_TAG suffixes the raw files; OUT_DIR/exactness-features.json
-#              (tests/gpu/results/exactness-features.json) from every raw file of the stage
-#   teacher    teacher-forced exactness: the pcp1 greedy output (256 tokens, chunked) of each
-#              case of the exact-pcp models appended to its prompt and scored with
-#              prompt_logprobs in each configuration; on one GPU the floors only (pcp1,
-#              pcp1-graphs, pcp1-flash-attn), on two also pcp2, pcp2-dcp2-i1, pcp2-dcp2-i16
-#              (GPU_COUNT overrides the count, TEACHER_CONFIGS the configurations,
-#              TEACHER_VARIANTS the variants, default chunked; TEACHER_SOURCE: a raw file
-#              of pcp1 runs whose outputs are scored instead of new ones);
-#              OUT_DIR/exactness-teacher.json (tests/gpu/results/exactness-teacher.json)
+#   engine-proof  every layout against one GPU on vLLM's V1 runner (pcp1-v1, the runner
+#              the plugin subclasses), one engine per MODEL:VARIANT:CONFIG[:GROUPS] job:
+#              the exactness cases (PROOF_TOKENS greedy tokens, default 64), the feature
+#              cases (n = 4 seeded, same-step bursts, prompt_logprobs, JSON schema,
+#              penalties), the teacher-forced measure (chunked runs score pcp1-v1's
+#              outputs; one-GPU floors pcp1-graphs and pcp1-flash-attn against pcp1), the
+#              forced context exchanges, preemption, fp8 and the refusals (fp8 with -dcp,
+#              sliding windows); models from /tmp/pcp-models (4 layers), the 36-layer
+#              Qwen2.5-3B shape (tp4-pcp2-dcp2-i8) and SmolLM2; PROOF_BASE_JOBS and
+#              PROOF_JOBS override the engines, PROOF_LANES (5) how many run at once. On a
+#              host with fewer GPUs than a layout's ranks they share them
+#              (tests/engine/shared_gpu.py; outputs only, never speed).
+#              OUT_DIR/exactness-pcp.json, exactness-dcp.json, exactness-features.json,
+#              exactness-teacher.json (tests/gpu/results/)
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
 #              (pcp1, pcp2, pcp2-dcp2), and per step and rank its GPU time in kernels,
 #              NCCL, FlashInfer and idle (scripts/trace_steps.py: steps.json)
-#   serve      vllm serve chat at PCP=1 and PCP=2 (with clients hanging up mid-prefill),
-#              and gsm8k through lm-eval at PCP=1,
-#              PCP=2 and PCP=2 x DCP=2, every prompt split (MODEL_GSM8K; DATA_GSM8K),
-#              servers side by side;
-#              GSM8K_CONFIGS picks some ("pcp2-dcp2"; empty: chat and abort check only)
+#   serve      vllm serve chat at -pcp 1, -pcp 2 and -pcp 2 -dcp 2 (with clients hanging up
+#              mid-prefill), and gsm8k through lm-eval at -pcp 1, -pcp 2, -pcp 2 -dcp 2
+#              and -tp 2 -pcp 2, every prompt split (MODEL_GSM8K; DATA_GSM8K; LIMIT=N:
+#              the first N questions), servers side by side; GSM8K_CONFIGS picks some
+#              ("pcp2-dcp2"; empty: chat and abort check only)
 #   bench-serve  vllm bench serve at concurrency 4 and 16 against one server at a time
 #              (SERVE_CONFIGS, default "pcp1 pcp2 pcp2-dcp2 tp2", any layout: e.g.
 #              pcp2-dcp2-queries and pcp2-dcp2-keys; INPUT_LEN 16384, PROMPTS
@@ -127,6 +108,22 @@ layout_flags() {  # VAR NAME [--cuda-graphs | --eager]: VAR=(the vllm serve flag
   mapfile -t into <<< "$_lines"
 }
 models=qwen2.5-3b-shape,llama-8kv-hd64,qwen2-mqa-1kv,smollm2
+share_gpus() {  # the checks of vllm serve: ranks share the GPUs where the host has fewer
+  eval "$(python3 "$here/../tests/engine/shared_gpu.py" env)"
+}
+proof_results() {  # WORK OUT: the engine proof's result files from its raw files
+  local rev=${GIT_REV:-$(git -C "$here" rev-parse HEAD 2> /dev/null || echo unknown)}
+  local what="scripts/run_gpu_checks.sh engine-proof (check_exactness.py run --jobs ... and features run)"
+  ex compare --raw "$1"/raw-base.json "$1"/raw-proof.json --layouts dcp1 \
+    --git-rev "$rev" --command "$what" --out "$2/exactness-pcp.json"
+  ex compare --raw "$1"/raw-base.json "$1"/raw-proof.json --layouts dcp \
+    --git-rev "$rev" --command "$what" --out "$2/exactness-dcp.json"
+  ex features compare --raw "$1"/raw-base.json "$1"/raw-features-base.json "$1"/raw-proof.json \
+    "$1"/raw-features.json "$1"/raw-features-swa.json --git-rev "$rev" --command "$what" \
+    --out "$2/exactness-features.json"
+  ex teacher --raw "$1"/raw-base.json "$1"/raw-proof.json --git-rev "$rev" --command "$what" \
+    --out "$2/exactness-teacher.json"
+}
 pack() {  # profiler traces left out (hundreds of MB); their per-step tables go in
   tar czf "$out/$stage.tgz" --exclude='*.pt.trace.json*' -C "$(dirname "$work")" "$stage"
 }
@@ -172,86 +169,52 @@ json.dump(result, open(os.path.join(work, "kernels.json"), "w"), indent=1)
 EOF
     cp "$work/kernels.json" "$out/kernels.json"
     exit "$rc" ;;
-  exact-pcp)
+  engine-proof)  # every layout against one GPU on the V1 runner (pcp1-v1), by engine
+    # (MODEL:VARIANT:CONFIG[:CASE GROUPS], PROOF_JOBS overrides): the exactness cases, the
+    # feature cases, the teacher-forced measure, and the refusals; on a host with fewer
+    # GPUs than a layout's ranks they share them (tests/engine/shared_gpu.py)
+    export VLLM_ALLOW_LONG_MAX_MODEL_LEN=1  # SmolLM2 (8,192 positions) takes the 32K cases
+    export VLLM_PCP_CHECK_SAMPLED_TOKENS=1  # every PCP rank's sampled tokens held equal
+    t=${PROOF_TOKENS:-64} r=qwen2.5-3b-shape s=smollm2 m=qwen2-mqa-1kv e=qwen3-moe-8e
+    proof() { lanes --max-tokens "$t" --max-model-len $((32768 + 2 * t)) "$@"; }
+    feats() { ex features run --overlap --gpu-memory-utilization 0.05 --kv-cache-gib 2 \
+                --max-tokens "$t" --max-model-len $((32768 + 2 * t)) "$@"; }
     ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
-    lanes --lanes 3 --models "$models" --variants unchunked,chunked --configs pcp1,pcp2 \
-      --raw "$work/raw-pcp.json" > "$work/pcp.log" 2>&1 &
-    lanes --lanes 1 --models qwen2.5-3b-shape --variants chunked \
-      --configs pcp1-graphs,pcp2-graphs,pcp2-ray --raw "$work/raw-more.json" \
-      > "$work/more.log" 2>&1 &
-    wait; tail -n 30 "$work"/pcp.log "$work"/more.log ;;
-  exact-dcp)
-    ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
-    # the real model and the 1-kv-head model first
-    lanes --lanes 8 --one-gpu-lanes 2 --variants chunked --max-tokens 256 \
-      --models smollm2,qwen2-mqa-1kv,qwen2.5-3b-shape,llama-8kv-hd64 \
-      --configs "${DCP_CONFIGS:-pcp1,pcp1-flash-attn,pcp1-graphs,pcp2-dcp2-i1,pcp2-dcp2-i8,pcp2-dcp2-i16,pcp2-dcp2-i8-graphs}" \
-      --raw "$work/raw-dcp.json" \
-      > "$work/dcp.log" 2>&1 &
-    lanes --lanes 1 --models qwen2.5-3b-shape --variants unchunked --max-tokens 256 \
-      --configs "${DCP_UNCHUNKED_CONFIGS:-pcp1,pcp2-dcp2-i8,pcp2-dcp2-i8-smallpool}" \
-      --raw "$work/raw-dcp-unchunked.json" \
-      > "$work/dcp-u.log" 2>&1 &
-    if [ -n "${DCP_TEXT_MODELS-smollm2-text}" ]; then  # real models on GSM8K text
-      lanes --lanes 2 --one-gpu-lanes 1 --variants chunked --max-tokens 256 \
-        --models "${DCP_TEXT_MODELS-smollm2-text}" \
-        --configs "${DCP_TEXT_CONFIGS:-pcp1,pcp2-dcp2-i8}" --raw "$work/raw-dcp-text.json" \
-        > "$work/dcp-text.log" 2>&1 &
-    fi
-    wait; tail -n 30 "$work"/dcp*.log ;;
-  exact-tp-dcp)  # DCP inside TP on FlashInfer: the 1-kv-head model (kv heads < -tp)
-    ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
-    lanes --lanes 4 --one-gpu-lanes 2 --variants chunked,unchunked --max-tokens 256 \
-      --models qwen2-mqa-1kv \
-      --configs "${TP_DCP_CONFIGS:-pcp1,pcp1-graphs,tp2-dcp2-i1,tp2-dcp2-i8,tp2-dcp2-i16,tp2-dcp2-i8-graphs}" \
-      --raw "$work/raw-tp-dcp.json" > "$work/tp-dcp.log" 2>&1
-    tail -n 30 "$work/tp-dcp.log" ;;
-  exact-features)  # OUT_DIR/exactness-features.json: the feature cases, refusals among them
-    ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
-    features() { ex features run --overlap --kv-cache-gib 2 --gpu-memory-utilization 0.05 "$@"; }
-    moe=${FEATURE_MOE_CONFIGS-pcp1,pcp2,pcp2-dcp2-i1-auto,pcp2-dcp2-i16-auto}
-    swa=${FEATURE_SWA_CONFIGS-pcp1,pcp2,pcp2-dcp2-i1-auto,pcp2-dcp2-i16-auto}
-    if [ -n "${FEATURE_MODELS-qwen2.5-3b-shape}" ]; then
-      features --lanes 6 --one-gpu-lanes 2 --models "${FEATURE_MODELS-qwen2.5-3b-shape}" \
-        --variants chunked,unchunked ${FEATURE_CONFIGS:+--configs "$FEATURE_CONFIGS"} \
-        --raw "$work/raw-features${FEATURE_TAG-}.json" > "$work/features${FEATURE_TAG-}.log" 2>&1 &
-    fi
-    if [ -n "$moe" ]; then
-      features --lanes 2 --one-gpu-lanes 1 --models qwen3-moe-8e --variants chunked,unchunked \
-        --configs "$moe" --raw "$work/raw-features-moe${FEATURE_TAG-}.json" \
-        > "$work/features-moe${FEATURE_TAG-}.log" 2>&1 &
-    fi
-    if [ -n "$swa" ]; then  # refusals: no case runs
-      features --lanes 1 --models mistral-swa512 --variants unchunked --configs "$swa" \
-        --raw "$work/raw-features-swa${FEATURE_TAG-}.json" \
-        > "$work/features-swa${FEATURE_TAG-}.log" 2>&1 &
-    fi
+    ex models --out-dir /tmp/pcp-models-full --layers 1000 --only $r >> "$work/models.log" 2>&1
+    f=standard+features
+    base=$r:chunked:pcp1-v1:$f,$r:unchunked:pcp1-v1:$f,$s:chunked:pcp1-v1:$f
+    base+=,$s:unchunked:pcp1-v1,$m:chunked:pcp1-v1,$e:chunked:pcp1-v1:$f
+    base+=,$r-full:chunked:pcp1-v1
+    proof --lanes 1 --one-gpu-lanes 8 --jobs "${PROOF_BASE_JOBS:-$base}" --teacher self \
+      --raw "$work/raw-base.json" > "$work/base.log" 2>&1 &
+    feats --lanes 1 --one-gpu-lanes 2 --models $r --variants chunked \
+      --configs pcp1-v1-fp8,pcp1-v1-preempt --raw "$work/raw-features-base.json" \
+      > "$work/features-base.log" 2>&1 &
     wait
-    what="scripts/run_gpu_checks.sh exact-features: check_exactness.py features run --overlap"
-    what+=" --kv-cache-gib 2 (${FEATURE_MODELS-qwen2.5-3b-shape}: ${FEATURE_CONFIGS:-the default"
-    what+=" configurations}, chunked and unchunked; qwen3-moe-8e: $moe, chunked and unchunked;"
-    what+=" mistral-swa512: $swa, unchunked), features compare"
-    judge exactness-features features features compare --raw "$work"/raw-features*.json ;;
-  teacher)  # OUT_DIR/exactness-teacher.json: per-case max / p99, one-GPU floors, the goal
-    ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
-    gpus=${GPU_COUNT:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
-    configs=pcp1,pcp1-graphs,pcp1-flash-attn
-    if [ "$gpus" -ge 2 ]; then configs=$configs,pcp2,pcp2-dcp2-i1,pcp2-dcp2-i16; fi
-    configs=${TEACHER_CONFIGS:-$configs} variants=${TEACHER_VARIANTS:-chunked}
-    continuations=${TEACHER_SOURCE:-$work/raw-teacher-gen.json}
-    if [ -z "${TEACHER_SOURCE:-}" ]; then  # pcp1's greedy outputs
-      lanes --lanes 1 --one-gpu-lanes 4 --variants chunked --max-tokens 256 \
-        --models "$models" --configs pcp1 --raw "$continuations" > "$work/teacher-gen.log" 2>&1
-    fi
-    lanes --lanes 4 --one-gpu-lanes 4 --variants "$variants" --max-tokens 256 \
-      --models "$models" --configs "$configs" --teacher "$continuations" \
-      --raw "$work/raw-teacher.json" > "$work/teacher.log" 2>&1
-    what="scripts/run_gpu_checks.sh teacher on $gpus GPUs: check_exactness.py"
-    if [ -n "${TEACHER_SOURCE:-}" ]; then what+=" (the pcp1 outputs of $TEACHER_SOURCE)"
-    else what+=" run --configs pcp1 --variants chunked --max-tokens 256,"; fi
-    what+=" run --teacher --configs $configs --variants $variants --max-tokens 256"
-    what+=" (both --overlap --kv-cache-gib 2), teacher"
-    judge exactness-teacher teacher teacher --raw "$work/raw-teacher.json" ;;
+    jobs=$r:chunked:pcp2:$f,$s:chunked:pcp2:$f,$r:chunked:pcp2-dcp2-i8:$f,$r:chunked:pcp4:$f
+    jobs+=,$r:chunked:tp2-pcp2,$r:chunked:tp2-pcp2-dcp2-i1,$r-full:chunked:tp4-pcp2-dcp2-i8
+    jobs+=,$r:chunked:pcp4-dcp4-i8,$r:chunked:pcp8,$e:chunked:pcp2:$f
+    jobs+=,$s:chunked:pcp2-dcp2-i1:$f,$s:chunked:pcp2-dcp2-i16,$r:unchunked:pcp2
+    jobs+=,$r:unchunked:pcp2-dcp2-i8,$m:chunked:pcp2,$m:chunked:tp2-dcp2-i8
+    jobs+=,$m:chunked:tp2-pcp2,$m:chunked:tp2-pcp2-dcp2-i1,$s:chunked:pcp4:$f
+    jobs+=,$s:chunked:pcp4-dcp4-i1,$s:chunked:pcp8,$r:chunked:pcp2-graphs
+    jobs+=,$r:chunked:pcp2-dcp2-i8-graphs,$e:chunked:pcp2-dcp2-i1,$e:chunked:pcp4
+    jobs+=,$r:chunked:pcp2-ray,$s:unchunked:pcp2,$r:chunked:pcp2-dcp2-i1
+    jobs+=,$r:chunked:pcp2-dcp2-i16,$r:unchunked:pcp4
+    jobs+=,$r:chunked:pcp1-v1-graphs  # pcp2-graphs's baseline, scoring pcp1-v1's outputs
+    for model in $r $s $m $e; do  # the one-GPU floors
+      for config in pcp1 pcp1-graphs pcp1-flash-attn; do jobs+=,$model:chunked:$config; done
+    done
+    proof --lanes "${PROOF_LANES:-5}" --one-gpu-lanes 2 --jobs "${PROOF_JOBS:-$jobs}" \
+      --teacher "$work/raw-base.json" --raw "$work/raw-proof.json" > "$work/proof.log" 2>&1 &
+    exchanges=pcp2-dcp2-i1-queries,pcp2-dcp2-i1-keys,pcp2-dcp2-i16-queries,pcp2-dcp2-i16-keys
+    feats --lanes 1 --models $r --variants chunked --raw "$work/raw-features.json" \
+      --configs $exchanges,pcp2-preempt,pcp4-preempt,pcp2-dcp2-i1-preempt,pcp2-fp8,pcp4-fp8,pcp2-dcp2-i1-fp8 \
+      > "$work/features.log" 2>&1 &
+    feats --lanes 1 --models mistral-swa512 --variants unchunked --configs pcp2,pcp2-dcp2-i1-auto \
+      --raw "$work/raw-features-swa.json" > "$work/features-swa.log" 2>&1 &
+    wait
+    proof_results "$work" "$out" ;;
   bench|bench-chunked)
     if [ "$stage" = bench-chunked ]; then  # ttft-chunked.json, itl.json, mixed-step profiles
       BENCH_EAGER= BENCH_CHUNK=8192 BENCH_PARALLEL_ONE_GPU= BENCH_PROMPT_LENS=32768
@@ -304,6 +267,7 @@ EOF
     [ -f "$work/kernel-choice.json" ] && cp "$work/kernel-choice.json" "$out/kernel-choice.json"
     exit "$rc" ;;
   serve)
+    share_gpus
     python3 "$here/check_serve_chat.py" --model "${MODELS_REAL:-/tmp/models/smollm2-135m}" \
       --git-rev "${GIT_REV:-unknown}" --out "$work/serve-chat-pcp.json" --log-dir "$work" &
     chat=$!
@@ -311,15 +275,17 @@ EOF
       local name=$1 port=$2 layout
       layout_flags layout "$3" || return
       PORT=$port "$here/eval_gsm8k.sh" "${MODEL_GSM8K:-/tmp/models/qwen2.5-coder-0.5b}" \
-        "$DATA_GSM8K" "$work/gsm8k-$name.json" --gpu-memory-utilization 0.1 \
-        --kv-cache-memory-bytes $((8 << 30)) "${layout[@]}" > "$work/gsm8k-$name.log" 2>&1
+        "$DATA_GSM8K" "$work/gsm8k-$name.json" --gpu-memory-utilization 0.05 \
+        --kv-cache-memory-bytes $((4 << 30)) --no-enable-flashinfer-autotune "${layout[@]}" \
+        > "$work/gsm8k-$name.log" 2>&1
     }
     # PCP runs split every prompt (the default keeps gsm8k's short prompts whole)
-    for config in ${GSM8K_CONFIGS-pcp1 pcp2 pcp2-dcp2}; do
+    for config in ${GSM8K_CONFIGS-pcp1 pcp2 pcp2-dcp2 tp2-pcp2}; do
       case $config in
         pcp1) gsm8k pcp1 8201 pcp1 & ;;
         pcp2) gsm8k pcp2 8202 pcp2-split-all & ;;
         pcp2-dcp2) gsm8k pcp2-dcp2 8203 pcp2-dcp2-split-all & ;;
+        tp2-pcp2) gsm8k tp2-pcp2 8204 tp2-pcp2-split-all & ;;
       esac
     done
     wait "$chat"; rc=$?  # the stage fails when the chat or abort check does
@@ -327,9 +293,11 @@ EOF
     for log in "$work"/gsm8k-*.log; do [ -e "$log" ] && tail -n 3 "$log"; done
     exit "$rc" ;;
   soak)  # the -pcp 1 reference answers while the soak servers start; soaks side by side
+    share_gpus
     model=${MODEL_SOAK:-/tmp/models/qwen2.5-coder-0.5b}
     export VLLM_ALLOW_LONG_MAX_MODEL_LEN=1  # 64K prompts are load here; texts stay short
-    soak_flags=(--gpu-memory-utilization 0.1 --seed 0 --max-model-len 65792 --max-num-seqs 64)
+    soak_flags=(--gpu-memory-utilization 0.05 --seed 0 --max-model-len 65792 --max-num-seqs 64
+                --no-enable-flashinfer-autotune)
     soak_one() {  # NAME PORT MODE KV_GIB: a server of layout NAME, serve_soak.py MODE
       local name=$1 port=$2 mode=$3 kv_gib=$4 layout
       ( . "$here/serve_lib.sh"  # a subshell each: its own $server and EXIT trap
@@ -340,6 +308,8 @@ EOF
           --server-pid "$server" --server-command "vllm serve $model ${flags[*]}" \
           --reference "$work/soak-pcp1.json" --reference-wait-s 60 \
           --duration-s "${SOAK_DURATION_S:-420}" --request-timeout-s 120 \
+          --concurrency "${SOAK_CONCURRENCY:-64}" \
+          ${SOAK_PROMPT_LENS:+--prompt-lens "$SOAK_PROMPT_LENS"} \
           --out "$work/soak-$name.json"
       ) > "$work/soak-$name.log" 2>&1
     }
@@ -347,8 +317,8 @@ EOF
     results=()
     for config in ${SOAK_CONFIGS:-pcp2 pcp2-dcp2}; do
       case $config in
-        pcp2) soak_one pcp2 8302 soak 16 & ;;
-        pcp2-dcp2) soak_one pcp2-dcp2 8303 soak 16 & ;;
+        pcp2) soak_one pcp2 8302 soak 8 & ;;
+        pcp2-dcp2) soak_one pcp2-dcp2 8303 soak 8 & ;;
       esac
       results+=("$work/soak-$config.json")
     done
@@ -358,9 +328,11 @@ EOF
     cp "$work/serve-soak.json" "$out/serve-soak.json"
     exit "$rc" ;;
   faults)  # -pcp 1 answers the bad requests the others are held to; a dead rank last
+    share_gpus
     model=${MODEL_FAULTS:-/tmp/models/qwen2.5-coder-0.5b}
     # 512 tokens a step: the dead rank's 30,000-token prompt prefills over 59 steps
-    faults_flags=(--gpu-memory-utilization 0.1 --kv-cache-memory-bytes $((4 << 30)) --seed 0
+    faults_flags=(--gpu-memory-utilization 0.05 --kv-cache-memory-bytes $((4 << 30)) --seed 0
+                  --no-enable-flashinfer-autotune
                   --max-model-len 32768 --max-num-seqs 16 --max-num-batched-tokens 512
                   --enable-log-requests)
     faults_one() {  # NAME PORT LAYOUT: bad requests, then (not pcp1) a dead rank

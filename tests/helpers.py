@@ -76,18 +76,26 @@ def real_vllm_config(model_dir, monkeypatch, parallel: dict, hf: dict | None = N
     heads, 2 KV heads, head size 8; ``hf`` overrides its config), the plugin
     registered and Triton shown as present, as on a GPU host. ``parallel``:
     ParallelConfig's arguments; ``vllm_kwargs``: VllmConfig's other parts."""
-    import vllm.config.vllm as vllm_config_module
     from transformers import Qwen2Config
+
+    model = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+                 max_position_embeddings=4096)
+    Qwen2Config(**{**model, **(hf or {})}).save_pretrained(model_dir)
+    return vllm_config_of(model_dir, monkeypatch, parallel, runner, **vllm_kwargs)
+
+
+def vllm_config_of(model_dir, monkeypatch, parallel: dict, runner: str = "auto",
+                   **vllm_kwargs):
+    """vLLM's own VllmConfig of the model whose ``config.json`` is in ``model_dir``,
+    as :func:`real_vllm_config` builds it."""
+    import vllm.config.vllm as vllm_config_module
     from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
 
     import vllm_pcp
 
     vllm_pcp.register()  # the DCP == PCP patch of ModelConfig.verify_with_parallel_config
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
-    model = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
-                 max_position_embeddings=4096)
-    Qwen2Config(**{**model, **(hf or {})}).save_pretrained(model_dir)
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
                                  dtype="bfloat16", runner=runner),

@@ -181,7 +181,8 @@ def test_the_builder_refuses_an_automatic_flashinfer_dcp_at_pcp1(monkeypatch):
     with pytest.raises(PCPConfigError, match="--attention-backend FLASHINFER"):
         PCPFlashInferMetadataBuilder(None, [], cfg, "cpu")
     # with the plugin's worker in place (FLASHINFER named) the builder is made
-    monkeypatch.setattr(FlashInferMetadataBuilder, "__init__", lambda *a: None)
+    monkeypatch.setattr(FlashInferMetadataBuilder, "__init__",
+                        lambda self, *a: setattr(self, "dcp_world_size", 1))
     cfg.parallel_config.worker_cls = WORKER_CLS
     PCPFlashInferMetadataBuilder(None, [], cfg, "cpu")
 
@@ -362,7 +363,7 @@ def test_dcp_layer_refuses_what_its_attention_does_not_plan(make_impl, layer, se
     assert str(err.value) == (
         f"vllm-pcp cannot run --decode-context-parallel-size 2 (-pcp 2 -dcp 2) with an "
         f"attention layer with {settings}: vllm-pcp's DCP attention plans FlashInfer "
-        "without window_left, logits_soft_cap or sinks; drop "
+        "without window_left, logits_soft_cap, sinks or a quantized KV cache; drop "
         "--decode-context-parallel-size (run -pcp 2 alone)")
     with pytest.raises(PCPConfigError, match=r"\(\-dcp 2\) with an attention layer with "
                        r".*\(run without it\)"):

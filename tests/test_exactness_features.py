@@ -1,9 +1,7 @@
 """The feature cases of the GPU exactness checks (scripts/exactness_features.py,
-check_exactness.py ``features``, run_gpu_checks.sh ``exact-features``), on CPU."""
+check_exactness.py ``features``; the stage: tests/test_run_gpu_checks.py), on CPU."""
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -74,8 +72,8 @@ def test_split_cases_have_odd_and_even_lengths_alone_and_together():
     assert len(ef.split_cases(4096, VOCAB)) == 4  # 5, 6, 4096 and the batch
 
 
-@pytest.mark.parametrize("config", ["pcp1-preempt", "pcp2-preempt", "pcp2-dcp2-i1-preempt",
-                                    "pcp2-dcp2-i16-preempt"])
+@pytest.mark.parametrize("config", ["pcp1-v1-preempt", "pcp2-preempt", "pcp4-preempt",
+                                    "pcp2-dcp2-i1-preempt", "pcp2-dcp2-i16-preempt"])
 def test_preemption_pool_takes_every_prompt_but_not_the_whole_batch(config, monkeypatch):
     flags = ce.CONFIGS[config]
     dcp = int(flags[flags.index("--dcp") + 1]) if "--dcp" in flags else 1
@@ -91,7 +89,8 @@ def test_preemption_pool_takes_every_prompt_but_not_the_whole_batch(config, monk
     assert max(finished) <= max_model_len <= capacity  # vLLM's start-up check
     assert {n % 2 for n in lengths} == {0, 1} and len(lengths) <= 16
     assert efc._feature_group(config) == "preemption"
-    assert efc._feature_baseline(config) == (None if config == "pcp1-preempt" else "pcp1-preempt")
+    assert efc._feature_baseline(config) == (
+        None if config == "pcp1-v1-preempt" else "pcp1-v1-preempt")
     monkeypatch.setattr(ef, "PREEMPT_MAX_TOKENS", 16)  # outputs inside the slack
     with pytest.raises(ValueError, match="do not preempt"):
         ef.preemption_case(VOCAB, capacity)
@@ -161,9 +160,9 @@ def test_run_feature_group_records_every_choice_in_index_order():
 
 
 def _compare(run_results, base_results, config="pcp2-dcp2-i1-auto"):
-    run = {"returncode": 0, "results": run_results}
-    base = {"returncode": 0, "results": base_results}
-    return efc._feature_cases("m", f"{config} vs pcp1, chunked", run, base, 0)
+    run = {"returncode": 0, "feature_results": run_results}
+    base = {"returncode": 0, "feature_results": base_results}
+    return efc._feature_cases("m", f"{config} vs pcp1-v1, chunked", run, base, 0)
 
 
 def test_n4_choices_must_equal_the_one_gpu_choices_exactly():
@@ -278,8 +277,9 @@ def test_features_run_gives_each_configuration_its_cases_and_routes_refusals(tmp
     seen = {}
 
     def fake_worker(cmd, out, key, entry, env, extra):
+        assert key == "feature_results"  # the worker's key of the feature groups
         seen[(entry["model"], entry["config"])] = cmd
-        return {**entry, "returncode": 0, "results": []}
+        return {**entry, "returncode": 0, "feature_results": []}
 
     def fake_refusal(cmd, entry, env, pattern, timeout):
         seen[(entry["model"], entry["config"])] = ("refusal", pattern, cmd)
@@ -292,7 +292,7 @@ def test_features_run_gives_each_configuration_its_cases_and_routes_refusals(tmp
                            variants="chunked", overlap=True, lanes=2, one_gpu_lanes=1,
                            fail_fast=True, raw=str(tmp_path / "raw.json"), models_dir="/m",
                            gpu_memory_utilization=0.05, max_tokens=32, kv_cache_gib=2.0,
-                           refusal_timeout=300)
+                           refusal_timeout=300, cases="standard", max_model_len=0)
     ce.features(args)
     cmd = seen[("dense", "pcp2-dcp2-i1-keys")]
     assert cmd[cmd.index("--cases") + 1] == "same-step"
@@ -319,7 +319,7 @@ def _pcp_result_schema():
 def test_features_compare_writes_the_schema_of_exactness_pcp(tmp_path):
     def run(config, results, returncode=0, **extra):
         return {"model": "m", "variant": "chunked", "config": config,
-                "returncode": returncode, "results": results, **extra}
+                "returncode": returncode, "feature_results": results, **extra}
 
     sampled = [_out([5, 6])] * 4
     results = [_result("sampled_n4", "sampled", sampled, rule="exact", choices=4),
@@ -328,7 +328,7 @@ def test_features_compare_writes_the_schema_of_exactness_pcp(tmp_path):
     raw = tmp_path / "raw.json"
     raw.write_text(json.dumps({"versions": {"gpu": "2 x NVIDIA H200", "vllm": "0.26.0",
                                             "flashinfer": "0.6.14", "torch": "2.11"},
-                               "runs": [run("pcp1", results),
+                               "runs": [run("pcp1-v1", results),
                                         run("pcp2-dcp2-i1-auto", results),
                                         run("pcp2-dcp2-i1-keys", results[1:]),
                                         run("pcp2", [], returncode=1, errors=["E: x"]),
@@ -344,9 +344,9 @@ def test_features_compare_writes_the_schema_of_exactness_pcp(tmp_path):
     assert set(pcp["summary"]) - {"noise_floor"} <= set(got["summary"])
     assert all(PCP_CASE_KEYS <= set(c) for c in got["cases"])
     by = {(c["config"], c["case"]): c for c in got["cases"]}
-    assert by[("pcp2-dcp2-i1-auto vs pcp1, chunked", "sampled_n4")]["passed"]
-    assert ("pcp2-dcp2-i1-keys vs pcp1, chunked", "burst") in by
-    assert not by[("pcp2 vs pcp1, chunked", "engine")]["passed"]
+    assert by[("pcp2-dcp2-i1-auto vs pcp1-v1, chunked", "sampled_n4")]["passed"]
+    assert ("pcp2-dcp2-i1-keys vs pcp1-v1, chunked", "burst") in by
+    assert not by[("pcp2 vs pcp1-v1, chunked", "engine")]["passed"]
     assert by[("pcp2-dcp2-i1-auto, chunked", "refusal")]["seconds_to_failure"] == 31.5
     summary = got["summary"]
     assert (summary["cases"], summary["passed"]) == (4, 3)
@@ -394,44 +394,6 @@ def test_worker_flags_of_the_features_and_the_plugins_exchanges():
     assert ap.parse_args([]).max_model_len == 0
 
 
-FAKE_CHECK = """import json, os, sys
-args = sys.argv[1:]
-with open(os.environ["CALLS"], "a") as f:
-    f.write(json.dumps(args) + "\\n")
-if "--raw" in args and args[:2] == ["features", "run"]:
-    json.dump({"runs": []}, open(args[args.index("--raw") + 1], "w"))
-if "--out" in args:
-    json.dump({"summary": {}}, open(args[args.index("--out") + 1], "w"))
-"""
-
-
-def test_exact_features_stage_runs_each_model_then_compares_every_raw_file(tmp_path):
-    scripts = tmp_path / "scripts"
-    scripts.mkdir()
-    shutil.copy(os.path.join(SCRIPTS, "run_gpu_checks.sh"), scripts / "run_gpu_checks.sh")
-    (scripts / "check_exactness.py").write_text(FAKE_CHECK)
-    calls = tmp_path / "calls.jsonl"
-    env = {**os.environ, "GPU_CHECKS_DIR": str(tmp_path / "checks"), "CALLS": str(calls),
-           "GIT_REV": "abc1234"}
-    res = subprocess.run(["bash", str(scripts / "run_gpu_checks.sh"), "exact-features",
-                          str(tmp_path / "out")], env=env, capture_output=True, text=True,
-                         timeout=60)
-    assert res.returncode == 0, res.stderr
-    argv = [json.loads(line) for line in calls.read_text().splitlines()]
-    runs = {a[a.index("--models") + 1]: a for a in argv if a[:2] == ["features", "run"]}
-    assert set(runs) == {"qwen2.5-3b-shape", "qwen3-moe-8e", "mistral-swa512"}
-    assert "--configs" not in runs["qwen2.5-3b-shape"]  # the default configurations
-    assert runs["qwen3-moe-8e"][runs["qwen3-moe-8e"].index("--variants") + 1] == (
-        "chunked,unchunked")
-    swa = runs["mistral-swa512"]
-    assert "pcp2-dcp2-i16-auto" in swa[swa.index("--configs") + 1].split(",")
-    compare = next(a for a in argv if a[:2] == ["features", "compare"])
-    assert len([r for r in compare if r.endswith(".json") and "raw-features" in r]) == 3
-    assert compare[compare.index("--git-rev") + 1] == "abc1234"
-    assert (tmp_path / "out" / "exactness-features.json").exists()
-    assert (tmp_path / "out" / "exact-features.tgz").exists()
-
-
 def test_worker_runs_a_case_group_on_the_engine_it_asks_for(tmp_path, monkeypatch, capsys):
     """exactness_worker.main with a stand-in vllm.LLM: the feature flags reach the
     engine, the start mark is printed, and the group's results are written."""
@@ -458,6 +420,7 @@ def test_worker_runs_a_case_group_on_the_engine_it_asks_for(tmp_path, monkeypatc
             return list(range(500))
 
     monkeypatch.setattr(vllm, "LLM", Engine)
+    monkeypatch.delenv(exactness_worker.SHARED_GPUS_ENGAGED, raising=False)
     out = tmp_path / "out.json"
     monkeypatch.setattr(sys, "argv", [
         "exactness_worker.py", "--model", str(model), "--pcp", "2", "--dcp", "2",
@@ -472,5 +435,7 @@ def test_worker_runs_a_case_group_on_the_engine_it_asks_for(tmp_path, monkeypatc
     assert ef.ENGINE_START_MARK in capsys.readouterr().out
     written = json.load(open(out))
     assert written["kv_capacity_tokens"] == ef.PREEMPT_CAPACITY_TOKENS
-    assert [r["case"] for r in written["results"]] == ["preemption"]
-    assert written["results"][0]["preemptions"] == 1
+    assert [r["case"] for r in written["feature_results"]] == ["preemption"]
+    assert written["feature_results"][0]["preemptions"] == 1
+    assert "results" not in written and "scores" not in written  # no standard cases, no teacher
+    assert written["step_counts"] is None and written["shared_gpus"] is None  # stock engine

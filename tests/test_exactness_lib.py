@@ -57,7 +57,8 @@ def test_overlap_puts_one_gpu_configs_on_the_last_gpu(tmp_path, monkeypatch):
                                                          "config": c, "returncode": 0})
     raw = tmp_path / "raw.json"
     args = SimpleNamespace(models="a,b", variants="chunked", configs="pcp1,pcp2",
-                           overlap=True, lanes=1, fail_fast=False, raw=str(raw))
+                           overlap=True, lanes=1, fail_fast=False, raw=str(raw),
+                           cases="standard")
     ce.run(args)
     assert sorted(seen) == [("a", "chunked", "pcp1", "1"), ("a", "chunked", "pcp2", None),
                             ("b", "chunked", "pcp1", "1"), ("b", "chunked", "pcp2", None)]
@@ -131,8 +132,9 @@ def test_small_pool_config_holds_fewer_tokens_per_rank_than_the_longest_prompt()
     from exactness_worker import kv_bytes_per_token
 
     assert ce.SMALL_POOL_TOKENS < max(SINGLE_LENGTHS) <= 2 * ce.SMALL_POOL_TOKENS - 1024
-    assert ce.BASELINE["pcp2-dcp2-i8-smallpool"] == "pcp1"
+    assert ce.BASELINE["pcp2-dcp2-i8-smallpool"] == "pcp1-v1"
     assert ce.CONFIGS["pcp1-flash-attn"][:2] == ["--pcp", "1"]  # a one-GPU lane job
+    assert ce.CONFIGS["pcp1-v1"][:2] == ["--pcp", "1"] and "--v1-runner" in ce.CONFIGS["pcp1-v1"]
     hf = {"num_hidden_layers": 4, "num_key_value_heads": 2, "hidden_size": 2048,
           "num_attention_heads": 16}
     assert kv_bytes_per_token(hf) == 4 * 2 * 2 * 128 * 2
@@ -196,7 +198,7 @@ def test_pcp_exactness_runs_split_every_prompt():
         "pcp_min_split_tokens": 2, "pcp_dcp_context_exchange": "keys"}
     import check_exactness as ce
 
-    assert ce.BASELINE["pcp2-dcp2-i8-keys"] == ce.BASELINE["pcp2-dcp2-i8-queries"] == "pcp1"
+    assert ce.BASELINE["pcp2-dcp2-i8-keys"] == ce.BASELINE["pcp2-dcp2-i8-queries"] == "pcp1-v1"
 
 
 def test_error_lines_keep_a_workers_root_cause_before_the_wrappers():
@@ -275,7 +277,7 @@ def test_text_model_runs_the_shared_model_on_gsm8k_text(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(ce, "run_worker", lambda cmd, *a, **k: seen.setdefault("cmd", cmd))
     args = SimpleNamespace(models_dir="/m", gpu_memory_utilization=0.1, max_tokens=8,
-                           kv_cache_gib=0, text_data=str(data))
+                           kv_cache_gib=0, text_data=str(data), cases="standard")
     ce._run_one(args, str(tmp_path), "smollm2-text", "chunked", "pcp1", {})
     cmd = seen["cmd"]
     assert cmd[cmd.index("--model") + 1] == ce.SHARED_MODELS["smollm2"]
@@ -299,8 +301,8 @@ def test_compare_counts_real_text_cases_apart(tmp_path):
 
     raw = tmp_path / "raw.json"
     raw.write_text(json.dumps({"versions": {"gpu": "g"}, "runs": [
-        run("m", "pcp1", [1, 2]), run("m", "pcp2-dcp2-i8", [1, 99]),
-        run("m-text", "pcp1", [3, 4]), run("m-text", "pcp2-dcp2-i8", [3, 4])]}))
+        run("m", "pcp1-v1", [1, 2]), run("m", "pcp2-dcp2-i8", [1, 99]),
+        run("m-text", "pcp1-v1", [3, 4]), run("m-text", "pcp2-dcp2-i8", [3, 4])]}))
     out = tmp_path / "out.json"
     ce.compare(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
                                note="", tokens=0, date="d", bench_raw="", serve_logs=None))
@@ -323,14 +325,55 @@ def test_noise_floor_compares_one_gpu_with_itself(tmp_path):
                 "results": [{"case": "len_7", "prompt_lens": [7], "outputs": [out]}]}
 
     raw = tmp_path / "raw.json"
+    scoring_only = {"model": "m", "variant": "chunked", "config": "pcp2", "returncode": 0,
+                    "scores": []}  # --cases none --teacher FILE: no "results", not compared
     raw.write_text(json.dumps({"versions": {}, "runs": [
         run("chunked", "pcp1", [1, 2]), run("chunked", "pcp1-graphs", [1, 99]),
-        run("unchunked", "pcp1", [1, 2]), run("chunked", "pcp2-dcp2-i8", [1, 2])]}))
+        run("chunked", "pcp1-v1", [1, 2]),
+        run("unchunked", "pcp1", [1, 2]), run("chunked", "pcp2-dcp2-i8", [1, 2]),
+        scoring_only]}))
     out = tmp_path / "out.json"
     ce.compare(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
                                note="", tokens=0, date="d", bench_raw="", serve_logs=None))
     result = json.load(open(out))
     assert [c["config"] for c in result["noise_floor_cases"]] == [
-        "pcp1-graphs vs pcp1, chunked", "pcp1, chunked vs unchunked"]
-    assert result["summary"]["noise_floor"]["no_divergence"] == 1
+        "pcp1 vs pcp1-v1, chunked", "pcp1-graphs vs pcp1, chunked",
+        "pcp1, chunked vs unchunked"]
+    assert result["summary"]["noise_floor"]["no_divergence"] == 2
     assert (result["summary"]["cases"], result["summary"]["no_divergence"]) == (1, 1)
+    assert [c["config"] for c in result["cases"]] == ["pcp2-dcp2-i8 vs pcp1-v1, chunked"]
+
+
+def test_run_passes_the_case_groups_to_every_worker_and_self_teacher_to_chunked_ones(
+        tmp_path, monkeypatch):
+    import json
+
+    import check_exactness as ce
+    from gpu_runs import shared_gpu
+
+    seen = {}
+
+    def fake_worker(cmd, out, key, entry, env, extra=()):
+        seen[entry["variant"]] = (cmd, env)
+        return {**entry, "returncode": 0}
+
+    monkeypatch.setattr(ce, "run_worker", fake_worker)
+    monkeypatch.setattr(ce, "versions", lambda: {"gpu": "2 x test"})
+    monkeypatch.setattr(ce, "_gpu_count", lambda: 2)
+    raw = tmp_path / "raw.json"
+    monkeypatch.setattr(sys, "argv", [
+        "check_exactness.py", "run", "--models", "smollm2", "--variants", "chunked,unchunked",
+        "--configs", "pcp2", "--raw", str(raw), "--cases", "standard,features",
+        "--teacher", "self"])
+    ce.main()
+    assert sorted(seen) == ["chunked", "unchunked"]
+    chunked, env = seen["chunked"]
+    assert chunked.count("--cases") == 1
+    assert chunked[chunked.index("--cases") + 1] == "standard,features"
+    assert chunked.count("--teacher") == 1 and chunked[chunked.index("--teacher") + 1] == "self"
+    assert "--teacher-model" not in chunked  # its own outputs: no model to look up
+    assert shared_gpu.MODE_VAR in env  # gpu_runs.check_env: the shared-GPU harness
+    unchunked, _ = seen["unchunked"]
+    assert unchunked[unchunked.index("--cases") + 1] == "standard,features"
+    assert "--teacher" not in unchunked and "--teacher-model" not in unchunked
+    assert len(json.load(open(raw))["runs"]) == 2

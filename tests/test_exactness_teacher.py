@@ -1,10 +1,8 @@
 """The teacher-forced exactness measure without a GPU: the statistics, the goal check,
 exactness-teacher.json, the worker's scoring prompts and its reading of vLLM's
-prompt_logprobs, and the teacher stage of scripts/run_gpu_checks.sh."""
+prompt_logprobs (run_gpu_checks.sh engine-proof: tests/test_run_gpu_checks.py)."""
 import json
 import os
-import shutil
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -85,11 +83,12 @@ def _generation_raw():
         return {"model": model, "variant": variant, "config": config,
                 "returncode": returncode,
                 "results": [{"case": "len_3", "prompt_lens": [3], "outputs": outs}]}
-    return {"versions": {}, "runs": [run("m", "unchunked", "pcp1", first=1),
+    return {"versions": {}, "runs": [run("m", "unchunked", "pcp1-v1", first=1),
                                      run("m", "chunked", "pcp2", first=2),
-                                     run("m", "chunked", "pcp1", returncode=1, first=3),
-                                     run("m", "chunked", "pcp1", first=7),
-                                     run("other", "chunked", "pcp1", first=4)]}
+                                     run("m", "chunked", "pcp1-v1", returncode=1, first=3),
+                                     run("m", "chunked", "pcp1", first=5),  # V2: not the source
+                                     run("m", "chunked", "pcp1-v1", first=7),
+                                     run("other", "chunked", "pcp1-v1", first=4)]}
 
 
 def test_continuations_come_from_the_successful_one_gpu_chunked_run():
@@ -211,30 +210,36 @@ def test_run_passes_the_continuations_to_each_scoring_worker(tmp_path, monkeypat
     seen = []
     monkeypatch.setattr(ce, "run_worker", lambda cmd, *a, **k: seen.append(cmd))
     args = SimpleNamespace(models_dir="/m", gpu_memory_utilization=0.1, max_tokens=256,
-                           kv_cache_gib=0, teacher="gen.json")
+                           kv_cache_gib=0, teacher="gen.json", cases="none")
     ce._run_one(args, str(tmp_path), "smollm2", "chunked", "pcp2", {})
     cmd = seen[-1]
     assert cmd[cmd.index("--teacher") + 1] == os.path.abspath("gen.json")
     assert cmd[cmd.index("--teacher-model") + 1] == "smollm2"
+    assert cmd[cmd.index("--cases") + 1] == "none"  # score only
+    ce._run_one(args, str(tmp_path), "smollm2", "unchunked", "pcp2", {})
+    assert "--teacher" not in seen[-1]  # the teacher source's variant (chunked) only
     ce._run_one(SimpleNamespace(**{**vars(args), "teacher": ""}), str(tmp_path), "m",
                 "chunked", "pcp2", {})
     assert "--teacher" not in seen[-1]
 
 
-def _scoring_run(config, scores, model="m", returncode=0):
+def _scoring_run(config, scores, model="m", returncode=0, **extra):
     return {"model": model, "variant": "chunked", "config": config, "returncode": returncode,
-            "results": [{"case": "len_7", "prompt_lens": [7], "scores": [scores]}]}
+            "scores": [{"case": "len_7", "prompt_lens": [7], "scores": [scores]}], **extra}
 
 
 def test_teacher_writes_cases_floors_and_the_goal(tmp_path):
     import check_exactness as ce
 
     base = [-1.0, -2.0, -0.5, -0.25]
-    runs = [_scoring_run("pcp1", base), _scoring_run("pcp2", base),
+    runs = [_scoring_run("pcp1", base), _scoring_run("pcp1-v1", base),
+            _scoring_run("pcp2", base, shared_gpus="1"),
             _scoring_run("pcp1-graphs", [-1.0, -2.0, -0.5, -0.5]),
             _scoring_run("pcp1-flash-attn", [-1.125, -2.0, -0.5, -0.25]),
             _scoring_run("pcp2-dcp2-i1", [-1.0, -2.3, -0.5, -0.25]),
-            _scoring_run("pcp2-dcp2-i16", [], returncode=1)]
+            _scoring_run("pcp2-dcp2-i16", [], returncode=1),
+            {"model": "m", "variant": "chunked", "config": "tp2", "returncode": 0,
+             "results": []}]  # generated, never scored: no row
     raw = tmp_path / "raw.json"
     raw.write_text(json.dumps({"versions": {"gpu": "2 x G", "vllm": "0.26.0", "torch": "t",
                                             "flashinfer": "f"}, "runs": runs}))
@@ -245,18 +250,22 @@ def test_teacher_writes_cases_floors_and_the_goal(tmp_path):
     assert set(result) == {"meta", "summary", "cases", "noise_floor_cases"}
     assert result["meta"]["git_rev"] == "rev" and result["meta"]["gpu"] == "2 x G"
     assert result["meta"]["date"] == "2026-12-01" and "measure" in result["meta"]
+    shared = result["meta"]["ranks_shared_gpus"]
+    assert (shared["gpus"], shared["configs"]) == (1, ["pcp2"])
     cases = {c["config"]: c for c in result["cases"]}
-    assert cases["pcp2 vs pcp1, chunked"] == {
-        "model": "m", "config": "pcp2 vs pcp1, chunked", "case": "len_7", "prompt_lens": [7],
-        "positions": 4, "max_abs_logprob_diff": 0.0, "p99_abs_logprob_diff": 0.0,
-        "positions_over_1": 0}
-    assert cases["pcp2-dcp2-i16 vs pcp1, chunked"]["case"] == "engine"
+    assert cases["pcp2 vs pcp1-v1, chunked"] == {
+        "model": "m", "config": "pcp2 vs pcp1-v1, chunked", "case": "len_7",
+        "prompt_lens": [7], "positions": 4, "max_abs_logprob_diff": 0.0,
+        "p99_abs_logprob_diff": 0.0, "positions_over_1": 0}
+    assert cases["pcp2-dcp2-i16 vs pcp1-v1, chunked"]["case"] == "engine"
+    assert set(cases) == {"pcp2 vs pcp1-v1, chunked", "pcp2-dcp2-i1 vs pcp1-v1, chunked",
+                          "pcp2-dcp2-i16 vs pcp1-v1, chunked"}
     assert [c["config"] for c in result["noise_floor_cases"]] == [
         "pcp1-flash-attn vs pcp1, chunked", "pcp1-graphs vs pcp1, chunked"]
     summary = result["summary"]
     assert summary["noise_floor"]["pcp1-graphs vs pcp1"]["max_abs_logprob_diff"] == 0.25
-    assert summary["configs"]["pcp2-dcp2-i16 vs pcp1"] is None
-    assert summary["configs"]["pcp2-dcp2-i1 vs pcp1"]["cases"] == 1
+    assert summary["configs"]["pcp2-dcp2-i16 vs pcp1-v1"] is None
+    assert summary["configs"]["pcp2-dcp2-i1 vs pcp1-v1"]["cases"] == 1
     goal = summary["goal"]
     assert goal["larger_floor"]["max_abs_logprob_diff"] == 0.25
     assert (goal["pcp2"], goal["pcp2-dcp2-i1"], goal["pcp2-dcp2-i16"]) == (True, True, False)
@@ -268,68 +277,11 @@ def test_teacher_marks_cases_that_cannot_be_compared(tmp_path):
 
     raw = tmp_path / "raw.json"
     raw.write_text(json.dumps({"versions": {}, "runs": [
-        _scoring_run("pcp1", [-1.0, -2.0]), _scoring_run("pcp2", [-1.0])]}))
+        _scoring_run("pcp1-v1", [-1.0, -2.0]), _scoring_run("pcp2", [-1.0])]}))
     out = tmp_path / "teacher.json"
     ce.teacher(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
                                note="", date=""))
     result = json.loads(out.read_text())
     assert "scored positions differ" in result["cases"][0]["error"]
-    assert result["summary"]["configs"]["pcp2 vs pcp1"] is None
+    assert result["summary"]["configs"]["pcp2 vs pcp1-v1"] is None
     assert result["summary"]["goal"]["pcp2"] is None  # no floors were run
-
-
-# stand-in for check_exactness.py: one JSON line of argv per call; ``teacher`` writes --out
-FAKE_CHECK = """import json, os, sys
-args = sys.argv[1:]
-open(os.environ["CALLS"], "a").write(json.dumps(args) + "\\n")
-if args[0] == "teacher":
-    open(args[args.index("--out") + 1], "w").write("{}")
-    sys.exit(int(os.environ.get("TEACHER_RC", "0")))
-"""
-
-
-def _stage(tmp_path, **env):
-    scripts = tmp_path / "scripts"
-    scripts.mkdir(exist_ok=True)
-    shutil.copy(os.path.join(SCRIPTS, "run_gpu_checks.sh"), scripts / "run_gpu_checks.sh")
-    (scripts / "check_exactness.py").write_text(FAKE_CHECK)
-    calls = tmp_path / "calls.jsonl"
-    calls.unlink(missing_ok=True)
-    res = subprocess.run(["bash", str(scripts / "run_gpu_checks.sh"), "teacher",
-                          str(tmp_path / "out")], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "GPU_CHECKS_DIR": str(tmp_path / "checks"),
-                              "CALLS": str(calls), "GIT_REV": "abc", **env})
-    return res, [json.loads(line) for line in calls.read_text().splitlines()]
-
-
-def _flag(call, name):
-    return call[call.index(name) + 1]
-
-
-@pytest.mark.parametrize("gpus, configs", [
-    ("1", "pcp1,pcp1-graphs,pcp1-flash-attn"),
-    ("2", "pcp1,pcp1-graphs,pcp1-flash-attn,pcp2,pcp2-dcp2-i1,pcp2-dcp2-i16")])
-def test_teacher_stage_scores_the_floors_and_with_two_gpus_pcp_and_dcp(tmp_path, gpus,
-                                                                       configs):
-    res, calls = _stage(tmp_path, GPU_COUNT=gpus)
-    assert res.returncode == 0, res.stderr
-    models, generate, score, compare = calls
-    assert models[0] == "models"
-    assert (generate[0], _flag(generate, "--configs"), _flag(generate, "--max-tokens"),
-            _flag(generate, "--variants")) == ("run", "pcp1", "256", "chunked")
-    assert _flag(score, "--teacher") == _flag(generate, "--raw")
-    assert (_flag(score, "--configs"), _flag(score, "--max-tokens")) == (configs, "256")
-    assert _flag(score, "--models") == _flag(generate, "--models")
-    assert len(_flag(score, "--models").split(",")) == 4
-    assert compare[0] == "teacher" and _flag(compare, "--raw") == _flag(score, "--raw")
-    assert _flag(compare, "--git-rev") == "abc" and configs in _flag(compare, "--command")
-    assert (tmp_path / "out" / "exactness-teacher.json").exists()
-
-
-def test_teacher_stage_can_score_given_continuations_and_fails_with_the_comparison(tmp_path):
-    res, calls = _stage(tmp_path, GPU_COUNT="2", TEACHER_SOURCE="/r/raw-dcp.json",
-                        TEACHER_RC="3")
-    assert res.returncode == 3
-    assert [c[0] for c in calls] == ["models", "run", "teacher"]
-    assert _flag(calls[1], "--teacher") == "/r/raw-dcp.json"
-    assert "/r/raw-dcp.json" in _flag(calls[2], "--command")

@@ -59,24 +59,39 @@ OLD_CONFIGS = {
     "pcp2-dcp2-i16-preempt": ["--pcp", "2", "--dcp", "2", "--interleave", "16",
                               "--kv-pool-tokens", "6144", "--max-model-len", "4096"],
 }
-# the baselines check_exactness.py compared them with
-OLD_BASELINE = {
-    "pcp2": "pcp1", "tp2": "pcp1", "pcp1-flash-attn": "pcp1", "pcp2-graphs": "pcp1-graphs",
-    "pcp2-ray": "pcp1", "pcp2-dcp2-i1": "pcp1", "pcp2-dcp2-i8": "pcp1", "pcp2-dcp2-i16": "pcp1",
-    "pcp2-dcp2-i8-graphs": "pcp1-graphs", "pcp2-dcp2-i8-queries": "pcp1",
-    "pcp2-dcp2-i8-keys": "pcp1", "tp2-dcp2-i1": "pcp1", "tp2-dcp2-i8": "pcp1",
-    "tp2-dcp2-i16": "pcp1", "tp2-dcp2-i8-graphs": "pcp1-graphs",
-    "pcp2-dcp2-i8-smallpool": "pcp1"}
+# the one-GPU feature baselines, now on the V1 runner
+REPLACED = {"pcp1-fp8": "pcp1-v1-fp8", "pcp1-preempt": "pcp1-v1-preempt"}
 
 
 def test_check_exactness_runs_the_worker_flags_it_always_ran():
     import check_exactness as ce
 
-    assert ce.CONFIGS == OLD_CONFIGS  # the names, and each one's flags in order
-    assert ce.BASELINE == OLD_BASELINE
-    for name, flags in OLD_CONFIGS.items():
+    for name, flags in OLD_CONFIGS.items():  # the names, and each one's flags in order
+        if name in REPLACED:
+            assert name not in ce.CONFIGS
+            new = ce.CONFIGS[REPLACED[name]]
+            assert new[:3] == ["--pcp", "1", "--v1-runner"] and new[3:] == flags[2:], name
+            continue
+        assert ce.CONFIGS[name] == flags, name
         if name in layouts.LAYOUTS:  # the feature ones add a feature's flags to a layout's
             assert layouts.worker_flags(name) == flags, name
+
+
+def test_every_configuration_of_several_ranks_is_held_to_one_gpu_on_the_v1_runner():
+    import check_exactness as ce
+
+    one_gpu = {"pcp1", "pcp1-graphs", "pcp1-v1", "pcp1-v1-graphs", "pcp1-flash-attn"}
+    features = set(ce.feature_configs())  # with baselines of their own
+    for name in ce.CONFIGS:
+        if name in one_gpu or name not in layouts.LAYOUTS or name in features:
+            continue
+        assert ce.BASELINE[name] == ("pcp1-v1-graphs" if layouts.LAYOUTS[name].cuda_graphs
+                                     else "pcp1-v1"), name
+    assert ce.BASELINE["pcp1-flash-attn"] == "pcp1"  # the noise floor: a kernel change
+    assert layouts.LAYOUTS["pcp1-v1"].env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert layouts.worker_flags("pcp1-v1") == ["--pcp", "1", "--v1-runner"]
+    assert [layouts.gpus(n) for n in ("pcp4", "pcp8", "tp2-pcp2", "tp4-pcp2-dcp2-i8")] == \
+        [4, 8, 4, 8]
 
 
 def test_gpu_runs_takes_the_tp_compilation_config_from_layouts():

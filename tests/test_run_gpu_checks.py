@@ -105,3 +105,76 @@ def test_latency_stage_runs_vllm_bench_latency_and_keeps_its_file(tmp_path):
     res, args = _run(tmp_path, "latency", LATENCY_RC="2", BENCH_EAGER="")
     assert res.returncode == 2 and "--eager" not in args
     assert args[args.index("--configs") + 1] == "pcp1,pcp2,pcp2-dcp2"
+
+
+# stand-in for check_exactness.py: argv of each call, one JSON line; the jobs of `run` parsed
+# by the real script; raw and result files written where the stage expects them
+FAKE_CHECK = """import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["CALLS"], "a") as f:
+    f.write(json.dumps(args) + "\\n")
+sys.path.insert(0, os.environ["REAL_SCRIPTS"])
+if args[0] == "run":
+    import check_exactness
+    ns = check_exactness.argparse.Namespace(jobs=args[args.index("--jobs") + 1])
+    check_exactness._jobs(ns)  # SystemExit on an unknown configuration
+for flag in ("--raw", "--out"):
+    if flag in args and args[0] in ("run", "features", "compare", "teacher"):
+        path = args[args.index(flag) + 1]
+        if not os.path.exists(path):
+            json.dump({"runs": []}, open(path, "w"))
+"""
+
+
+def _jobs(call):
+    return [tuple(job.split(":")[:3]) for job in call[call.index("--jobs") + 1].split(",")]
+
+
+def test_engine_proof_holds_every_engine_to_a_baseline_it_runs_first(tmp_path):
+    import sys
+
+    sys.path.insert(0, SCRIPTS)
+    import check_exactness as ce
+    import exactness_teacher as et
+
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    shutil.copy(os.path.join(SCRIPTS, "run_gpu_checks.sh"), scripts / "run_gpu_checks.sh")
+    (scripts / "check_exactness.py").write_text(FAKE_CHECK)
+    calls_file = tmp_path / "calls.jsonl"
+    res = subprocess.run(
+        ["bash", str(scripts / "run_gpu_checks.sh"), "engine-proof", str(tmp_path / "out")],
+        env={**os.environ, "GPU_CHECKS_DIR": str(tmp_path / "checks"), "GIT_REV": "abc",
+             "CALLS": str(calls_file), "REAL_SCRIPTS": SCRIPTS},
+        capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    calls = [json.loads(line) for line in calls_file.read_text().splitlines()]
+    runs = [c for c in calls if c[0] == "run"]
+    base, proof = (runs if "self" in runs[0] else runs[::-1])
+    assert base[base.index("--teacher") + 1] == "self"
+    assert proof[proof.index("--teacher") + 1] == base[base.index("--raw") + 1]
+    base_jobs, proof_jobs = _jobs(base), _jobs(proof)
+    assert {config for _, _, config in base_jobs} == {"pcp1-v1"}
+    ran = set(base_jobs) | set(proof_jobs)
+    for model, variant, config in proof_jobs:  # a baseline of the same model and variant
+        expected = ce.BASELINE.get(config)
+        assert expected is None or (model, variant, expected) in ran, (model, config)
+        if config in ce.BASELINE and variant == "chunked":  # the teacher's too
+            assert (model, "chunked", "pcp1-v1") in base_jobs
+    configs = {config for _, _, config in proof_jobs}
+    assert set(et.TEACHER_GOALS) - {"tp2-dcp2-i1"} <= configs  # every goal measured
+    assert set(et.TEACHER_FLOORS) <= configs and "pcp1" in configs
+    assert {"pcp4", "pcp4-dcp4-i8", "pcp8", "tp2-pcp2", "tp2-pcp2-dcp2-i1",
+            "tp4-pcp2-dcp2-i8", "pcp2-ray"} <= configs
+    features = [c for c in calls if c[:2] == ["features", "run"]]
+    feature_configs = {x for c in features for x in c[c.index("--configs") + 1].split(",")}
+    assert {"pcp1-v1-fp8", "pcp1-v1-preempt", "pcp2-dcp2-i1-fp8", "pcp4-preempt",
+            "pcp2-dcp2-i16-keys"} <= feature_configs <= set(ce.CONFIGS)
+    compares = [c for c in calls if c[0] == "compare"]
+    assert sorted(c[c.index("--layouts") + 1] for c in compares) == ["dcp", "dcp1"]
+    feature_compare = next(c for c in calls if c[:2] == ["features", "compare"])
+    raws = [a for a in feature_compare if a.endswith(".json") and "/raw-" in a]
+    assert len(raws) == 5 and all(c[c.index("--raw") + 1] in raws for c in features)
+    assert any(c[0] == "teacher" for c in calls)
+    for name in ("exactness-pcp", "exactness-dcp", "exactness-features", "exactness-teacher"):
+        assert (tmp_path / "out" / f"{name}.json").exists(), name

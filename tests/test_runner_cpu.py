@@ -19,7 +19,7 @@ from vllm_pcp.backend import (KVExchange, PCPDCPMetadata, PCPFlashInferImpl,
                               PCPFlashInferMetadataBuilder, PCPSplitMetadata)
 from vllm_pcp.pcp.exchange import gathered_slot_mapping
 from vllm_pcp.pcp.partition import build_pcp_metadata
-from vllm_pcp.runner import PCPModelRunner, PCPStep
+from vllm_pcp.runner import PCPModelRunner, PCPStep, PCPStepCounts
 
 COMPUTED = [30, 0, 0, 12]
 SCHEDULED = [1, 37, 2, 9]  # decode, long prompt, short prompt, continuation
@@ -54,7 +54,7 @@ def _make_runner(group, rank):
     r.reorder_batch_threshold = 1
     r.pcp_dcp, r.cp_kv_cache_interleave_size = False, 1
     r.dcp_group, r.dcp_heads_gathered = r.pcp_group, False
-    r._step = None
+    r._step, r.pcp_step_counts = None, PCPStepCounts()
     table = SimpleNamespace(get_device_tensor=lambda n: BLOCKS[:n],
                             get_numpy_array=lambda: BLOCKS.numpy(), block_size=16)
     r.input_batch = SimpleNamespace(num_reqs=len(SCHEDULED), block_table=[table],
@@ -231,11 +231,12 @@ def test_prepare_inputs_skips_planning_without_a_split(monkeypatch):
     runner.input_batch.num_prompt_tokens = np.array([30, 3, 1, 2], np.int32)
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))  # prompts below 2N = 4
-    assert runner._step is None
+    assert runner._step is None and runner.pcp_step_counts.split_steps == 0
     # a preempted request recomputing prompt and output: its prefill is the whole length
     runner.input_batch.num_computed_tokens_cpu = np.array([30, 0, 0, 12], np.int32)
     runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))
     assert runner._step.plan.num_split_requests == 1
+    assert runner.pcp_step_counts.split_steps == 1  # the split step is counted
 
 
 def test_every_chunk_of_a_long_prompt_is_split(monkeypatch):

@@ -68,3 +68,19 @@ def test_the_run_fails_when_any_check_fails():
     for k in serve_chat.CHECKS:
         assert not serve_chat.all_checks_pass({**result, k: False})
     assert not serve_chat.all_checks_pass({})
+
+
+def _answer(text="5", **kw):
+    return {"text": text, "token_logprobs": [-0.5, -0.25], "bad_request_status": 400,
+            "text_after_bad_request": text, "clients_hung_up": serve_chat.ABORTED_PROMPTS,
+            "aborted_in_log": serve_chat.ABORTED_PROMPTS, "text_after_abort": text, **kw}
+
+
+def test_every_server_is_held_to_the_first_servers_answer():
+    assert serve_chat.LAYOUTS[0] == "pcp1" and "pcp2-dcp2-split-all" in serve_chat.LAYOUTS
+    same = serve_chat.judge([_answer(), _answer(token_logprobs=[-0.5, -0.125]), _answer()])
+    assert serve_chat.all_checks_pass(same) and same["max_abs_logprob_diff"] == 0.125
+    assert serve_chat.judge([_answer(), _answer(), _answer("6")])["same_text"] is False
+    late = serve_chat.judge([_answer(), _answer(text_after_abort="x"), _answer()])
+    assert late["serves_after_abort_mid_prefill"] is False
+    assert not serve_chat.all_checks_pass(serve_chat.judge([_answer(), {"error": "x"}]))

@@ -209,3 +209,22 @@ def test_ranks_without_local_tokens_on_gloo_processes():
     got = [results[r] for r in range(world)]
     _check_step([g[0] for g in got], [g[1] for g in got], {r: g[2] for r, g in enumerate(got)},
                 computed, scheduled, world)
+
+
+@pytest.mark.parametrize("n", sorted(ZERO_TOKEN_STEPS))
+def test_step_counts_tell_which_split_steps_left_ranks_without_tokens(n):
+    """The evidence the engine checks read (``collective_rpc("pcp_step_counts")``): a
+    zero-token step is counted by every rank, as its own by the ranks that had none."""
+    computed, scheduled = ZERO_TOKEN_STEPS[n]
+    plans = [build_pcp_metadata(computed, scheduled, n, r) for r in range(n)]
+    even = build_pcp_metadata([0], [8 * n], n, 0)
+    counts = []
+    for plan in plans:
+        c = runner_mod.PCPStepCounts()
+        for step in (plan, even, None):  # None: a step the runner ran stock
+            c.count(step)
+        counts.append(c)
+    assert all((c.split_steps, c.steps_with_rank_without_tokens) == (2, 1) for c in counts)
+    empty = [r for r, p in enumerate(plans) if p.num_local_tokens == 0]
+    assert empty and [c.steps_without_local_tokens for c in counts] == [
+        int(r in empty) for r in range(n)]

@@ -261,6 +261,31 @@ def test_dummy_run_fills_optimistic_seq_lens_before_building_metadata():
     assert writes and builds and min(writes) < min(c.lineno for c in builds)
 
 
+def test_sample_runs_once_a_step_before_the_ids_are_fed_back():
+    """README: GPUModelRunner._sample. The check mode (vllm_pcp.pcp.agreement) compares
+    the sampled ids in the ``_sample`` override: vLLM calls it exactly once, in
+    ``sample_tokens`` (so every rank reaches the all-gather every step), before the ids
+    reach the persistent batch (``_update_states_after_model_execute``, async
+    scheduling's feedback) and the output (``_bookkeeping_sync``); it returns a
+    ``SamplerOutput`` whose ``sampled_token_ids`` is ``[num_reqs, k]``."""
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert list(inspect.signature(GPUModelRunner._sample).parameters) == [
+        "self", "logits", "spec_decode_metadata"]
+    runner = _class(_tree("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner")
+    assert len(_calls(runner, "self._sample")) == 1
+    fn = _func(runner, "sample_tokens")
+    [sample] = _calls(fn, "self._sample")
+    [update] = _calls(fn, "self._update_states_after_model_execute")
+    [bookkeeping] = _calls(fn, "self._bookkeeping_sync")
+    assert sample.lineno < update.lineno < bookkeeping.lineno
+    assert ast.unparse(update.args[0]) == "sampler_output.sampled_token_ids"
+    assert "sampled_token_ids" in {f.name for f in dataclasses.fields(SamplerOutput)}
+    plugin = _func(_class(_tree("vllm_pcp.runner"), "PCPModelRunner"), "_sample")
+    assert [a.arg for a in plugin.args.args] == ["self", "logits", "spec_decode_metadata"]
+
+
 def test_real_runner_has_the_state_the_subclass_reads(real_runner):
     """README: GPUModelRunner state. Every ``self.X`` PCPModelRunner reads and does not
     define itself is on vLLM's runner after ``__init__``, or assigned by one of vLLM's
@@ -548,7 +573,7 @@ def test_real_builder_has_what_the_plugins_builder_reads(make_builder):
     PCPFlashInferMetadataBuilder reads and does not define, and every ``builder.X`` of
     vllm_pcp/backend.py's helpers, is on vLLM's real builder (grown at PCP > 1), with
     the values build_dcp plans with."""
-    from vllm_pcp.backend import PCPFlashInferMetadataBuilder
+    from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder
 
     tree = _tree("vllm_pcp.backend")
     plugin = _class(tree, "PCPFlashInferMetadataBuilder")
@@ -560,9 +585,17 @@ def test_real_builder_has_what_the_plugins_builder_reads(make_builder):
             builder.page_size) == (8, 2, 64, 16)
     assert builder.q_data_type_prefill == torch.bfloat16
     assert builder.global_hyperparameters.sm_scale == 0.125
+    assert builder.global_hyperparameters.has_same_all_params is True  # one layer
     assert builder.dcp_world_size == 1 and builder.reorder_batch_threshold == 1
     assert builder.vllm_config.parallel_config.prefill_context_parallel_size == 2
     assert list(inspect.signature(builder._get_workspace_buffer).parameters) == []
+    from vllm.v1.attention.backends.utils import get_per_layer_parameters
+
+    assert list(inspect.signature(get_per_layer_parameters).parameters) == [
+        "vllm_config", "layer_names", "cls_"]
+    [params] = get_per_layer_parameters(builder.vllm_config, ["layers.0.attn"],
+                                        PCPFlashInferImpl).values()
+    assert params.sm_scale == 0.125
 
 
 def test_flashinfer_metadata_counts_the_local_rows():
@@ -592,6 +625,8 @@ def test_real_impl_has_the_settings_the_plugin_checks(make_builder):
     assert (impl.dcp_world_size, impl.pcp_world_size) == (1, 1)  # no groups in a test
     assert impl.sliding_window == (-1, -1) and impl.sinks is None
     assert impl.logits_soft_cap is None and impl.head_size == 64
+    assert impl.alibi_slopes is None and impl.kv_sharing_target_layer_name is None
+    assert impl.kv_cache_dtype == "auto"
     assert isinstance(impl, PCPFlashInferImpl) and impl.supports_pcp
     _, windowed, _ = make_builder(PCPFlashInferMetadataBuilder, sliding_window=16,
                                   prefill_context_parallel_size=2)

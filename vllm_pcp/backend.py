@@ -93,11 +93,14 @@ class PCPFlashInferImpl(FlashInferImpl):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        unplanned = _dcp_unplanned_settings(self) if self.dcp_world_size > 1 else []
-        if unplanned:
-            from vllm_pcp.config import dcp_layer_error
+        pcp, dcp = self.pcp_world_size, self.dcp_world_size
+        unapplied = _unapplied_settings(self) if pcp > 1 or dcp > 1 else []
+        unplanned = _dcp_unplanned_settings(self) if dcp > 1 else []
+        if unapplied or unplanned:
+            from vllm_pcp.config import cp_layer_error, dcp_layer_error
 
-            raise dcp_layer_error(unplanned, self.pcp_world_size, self.dcp_world_size)
+            raise (cp_layer_error(unapplied + unplanned, pcp, dcp) if unapplied else
+                   dcp_layer_error(unplanned, pcp, dcp))
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor,
                            value: torch.Tensor, kv_cache: torch.Tensor,
@@ -178,6 +181,8 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             if parallel.worker_cls != WORKER_CLS:  # FlashInfer picked by vLLM, not named
                 raise stock_flashinfer_dcp_error(parallel.decode_context_parallel_size)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if self.dcp_world_size > 1 and not self.global_hyperparameters.has_same_all_params:
+            _refuse_mixed_scales(vllm_config, layer_names)
         if parallel.prefill_context_parallel_size > 1:
             grow_row_buffers(self, 2 * vllm_config.scheduler_config.max_num_seqs)
 
@@ -215,10 +220,24 @@ def _zero_pad_rows(output: torch.Tensor, num_actual_tokens: int) -> None:
         output[num_actual_tokens:].zero_()
 
 
+def _unapplied_settings(impl: FlashInferImpl) -> list[str]:
+    """The layer's settings that no attention path of vllm-pcp applies: ALiBi slopes
+    (FlashInferImpl keeps them and never reads them), a KV cache shared with another
+    layer (not verified)."""
+    out = []
+    if impl.alibi_slopes is not None:
+        out.append("ALiBi slopes")
+    if impl.kv_sharing_target_layer_name is not None:
+        out.append(f"its KV cache shared with {impl.kv_sharing_target_layer_name}")
+    return out
+
+
 def _dcp_unplanned_settings(impl: FlashInferImpl) -> list[str]:
     """The layer's settings that vllm-pcp's DCP attention does not plan: a sliding
     window (FlashInferImpl keeps ``(window - 1, 0)``, ``(-1, -1)`` for none), a logits
-    soft cap, attention sinks."""
+    soft cap, attention sinks, a quantized KV cache."""
+    from vllm_pcp.config import DCP_CACHE_DTYPES
+
     out = []
     if impl.sliding_window not in (None, (-1, -1)):
         out.append(f"a sliding window of {impl.sliding_window[0] + 1} tokens")
@@ -226,7 +245,23 @@ def _dcp_unplanned_settings(impl: FlashInferImpl) -> list[str]:
         out.append(f"logits_soft_cap {impl.logits_soft_cap}")
     if impl.sinks is not None:
         out.append("attention sinks")
+    if impl.kv_cache_dtype not in DCP_CACHE_DTYPES:
+        out.append(f"a {impl.kv_cache_dtype} KV cache")
     return out
+
+
+def _refuse_mixed_scales(vllm_config, layer_names: list[str]) -> None:
+    """Under DCP, refuse a KV cache group whose layers differ in softmax scale (the
+    only setting left to differ: the layers refuse windows, soft caps and sinks)."""
+    from vllm.v1.attention.backends.utils import get_per_layer_parameters
+
+    from vllm_pcp.config import dcp_scales_error
+
+    parallel = vllm_config.parallel_config
+    params = get_per_layer_parameters(vllm_config, layer_names, FlashInferImpl).values()
+    raise dcp_scales_error(sorted({p.sm_scale for p in params}),
+                           parallel.prefill_context_parallel_size,
+                           parallel.decode_context_parallel_size)
 
 
 def _max_decode_graph_rows(vllm_config) -> int:

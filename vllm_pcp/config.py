@@ -86,6 +86,10 @@ def _attention_backend_name(vllm_config) -> str | None:
     return None if backend is None else getattr(backend, "name", str(backend))
 
 
+# KV cache dtypes vllm-pcp's DCP attention runs (unquantized)
+DCP_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+
+
 def _dcp_refusals(vllm_config) -> list[str]:
     parallel = vllm_config.parallel_config
     pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
@@ -99,7 +103,7 @@ def _dcp_refusals(vllm_config) -> list[str]:
         out.append("--dcp-comm-backend a2a: vllm-pcp's DCP exchanges partial states itself; "
                    "omit the flag")
     cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
-    if cache_dtype not in ("auto", "bfloat16", "float16"):
+    if cache_dtype not in DCP_CACHE_DTYPES:
         out.append(f"--kv-cache-dtype {cache_dtype}: vllm-pcp's DCP runs unquantized KV "
                    "caches")
     return out + _dcp_attention_refusals(vllm_config.model_config, pcp)
@@ -163,8 +167,41 @@ def dcp_layer_error(settings: list[str], pcp: int, dcp: int) -> PCPConfigError:
     return PCPConfigError(
         f"vllm-pcp cannot run --decode-context-parallel-size {dcp} ({layout}) with an "
         f"attention layer with {' and '.join(settings)}: vllm-pcp's DCP attention plans "
-        "FlashInfer without window_left, logits_soft_cap or sinks; drop "
-        f"--decode-context-parallel-size ({way_out})")
+        "FlashInfer without window_left, logits_soft_cap, sinks or a quantized KV cache; "
+        f"drop --decode-context-parallel-size ({way_out})")
+
+
+def _cp_flags(pcp: int, dcp: int) -> tuple[str, str]:
+    """The layout's flags (``-pcp 2 -dcp 2``) and how to drop them (``drop -pcp and
+    -dcp``)."""
+    flags = [f"-{name} {size}" for name, size in (("pcp", pcp), ("dcp", dcp)) if size > 1]
+    names = [flag.split()[0] for flag in flags]
+    return " ".join(flags), "drop " + " and ".join(names)
+
+
+def cp_layer_error(settings: list[str], pcp: int, dcp: int) -> PCPConfigError:
+    """The refusal of an attention layer with ``settings`` (e.g. ``"ALiBi slopes"``)
+    that no attention path of vllm-pcp applies, under every layout the plugin takes
+    over; raised while the model is built, so it stops the engine at start-up whatever
+    the model's config says."""
+    flags, drop = _cp_flags(pcp, dcp)
+    return PCPConfigError(
+        f"vllm-pcp cannot run {flags} with an attention layer with {' and '.join(settings)}: "
+        f"vllm-pcp's attention does not apply {'them' if len(settings) > 1 else 'it'}; "
+        f"{drop} (vLLM's default attention backend runs the layer on one GPU or with -tp "
+        "alone)")
+
+
+def dcp_scales_error(scales: list[float], pcp: int, dcp: int) -> PCPConfigError:
+    """The refusal of a KV cache group whose attention layers have different softmax
+    ``scales``: vllm-pcp's DCP attention plans one scale per group (the builder's
+    ``sm_scale``, its first layer's)."""
+    flags, drop = _cp_flags(pcp, dcp)
+    return PCPConfigError(
+        f"vllm-pcp cannot run {flags} with attention layers of softmax scales "
+        f"{', '.join(map(str, scales))} in one KV cache group: vllm-pcp's DCP attention "
+        f"plans one scale for all of them; {drop} (vLLM's default attention backend takes "
+        "a scale per layer)")
 
 
 def _refusals(vllm_config) -> list[str]:
@@ -192,7 +229,48 @@ def _refusals(vllm_config) -> list[str]:
     if backend not in (None, "FLASHINFER"):
         out.append(f"--attention-backend {backend}: PCP for GQA models runs on "
                    "FLASHINFER only; pass --attention-backend FLASHINFER or omit it")
-    return out + _unverified_refusals(vllm_config, cp)
+    return out + _unverified_refusals(vllm_config, cp) + _attention_refusals(vllm_config)
+
+
+# vLLM 0.26.0 models that always pass ALiBi slopes and that ModelConfig.uses_alibi does
+# not name (step1.py)
+_ALIBI_ARCHITECTURES = ("Step1ForCausalLM",)
+
+
+def _alibi(model) -> str | None:
+    """What gives the model ALiBi attention, or None: vLLM's own test
+    (``ModelConfig.uses_alibi``: BLOOM; Falcon's ``alibi``; MPT's ``attn_config.alibi``;
+    ``position_encoding_type = "alibi"``), or an architecture of
+    :data:`_ALIBI_ARCHITECTURES`."""
+    architectures = list(getattr(model, "architectures", None) or ())
+    for arch in architectures:
+        if arch in _ALIBI_ARCHITECTURES:
+            return f"architecture {arch}"
+    if getattr(model, "uses_alibi", False):
+        return f"{', '.join(architectures) or 'the model'}: vLLM's ModelConfig.uses_alibi"
+    return None
+
+
+def _attention_refusals(vllm_config) -> list[str]:
+    """Attention settings of the model that no attention path of vllm-pcp applies,
+    refused under every layout the plugin takes over (``-pcp``, ``-pcp -dcp``, DCP
+    inside TP). :class:`vllm_pcp.backend.PCPFlashInferImpl` checks every layer again."""
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    _, drop = _cp_flags(parallel.prefill_context_parallel_size,
+                        parallel.decode_context_parallel_size)
+    out = []
+    alibi = _alibi(model)
+    if alibi is not None:
+        out.append(f"ALiBi attention ({alibi}): vllm-pcp's attention adds no ALiBi bias "
+                   "(vLLM 0.26.0's FlashInferImpl keeps the slopes and never reads them); "
+                   f"{drop}: vLLM's default attention backend applies ALiBi on one GPU "
+                   "and with -tp alone")
+    shared = _hf_setting(model, "num_kv_shared_layers")
+    if shared:
+        out.append(f"cross-layer KV sharing (the model's num_kv_shared_layers = {shared}): "
+                   "not yet verified with vllm-pcp (under -dcp a sharing layer's forward "
+                   f"would write its own K/V into its target layer's cache); {drop}")
+    return out
 
 
 def _kv_transfer_refusal(vllm_config, cp: str) -> str:

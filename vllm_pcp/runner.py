@@ -61,6 +61,7 @@ from vllm_pcp.backend import KVExchange, PCPFlashInferMetadataBuilder, PCPSplitM
 from vllm_pcp.config import PCPKnobs, min_split_tokens
 from vllm_pcp.dcp.plan import DCPAttentionPlan, build_dcp_plan, min_folded_seq_len
 from vllm_pcp.dcp.prefix import context_written_in_step
+from vllm_pcp.pcp.agreement import SampledTokenCheck
 from vllm_pcp.pcp.exchange import (gathered_slot_mapping, restore_hidden_states,
                                    with_context_rows)
 from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, build_pcp_metadata,
@@ -92,6 +93,34 @@ class PCPStep:
     eager: bool = False  # a batch vLLM padded for a CUDA graph that must run eagerly
 
 
+@dataclass
+class PCPStepCounts:
+    """What the split steps of this rank's engine looked like so far, for logs and
+    tests (``LLM.collective_rpc("pcp_step_counts")``: one dict per rank).
+
+    split_steps : steps with a split request (DCP: steps with a PCP plan, i.e. not
+        pure decode steps).
+    steps_with_rank_without_tokens : split steps in which some rank got no local
+        tokens (a split chunk shorter than ``2 * pcp_world_size``): that rank runs
+        ``P`` pad rows and still takes part in every collective.
+    steps_without_local_tokens : split steps in which this rank got none.
+    """
+
+    split_steps: int = 0
+    steps_with_rank_without_tokens: int = 0
+    steps_without_local_tokens: int = 0
+
+    def count(self, plan: PrefillContextParallelMetadata | None) -> None:
+        if plan is None:
+            return
+        self.split_steps += 1
+        if min(plan.num_tokens_per_rank) == 0:
+            self.steps_with_rank_without_tokens += 1
+            logger.debug("PCP split step with ranks without tokens: %s tokens per rank",
+                         plan.num_tokens_per_rank)
+        self.steps_without_local_tokens += plan.num_local_tokens == 0
+
+
 class PCPModelRunner(GPUModelRunner):
     def __init__(self, vllm_config, device: torch.device):
         super().__init__(vllm_config, device)
@@ -103,6 +132,8 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_dcp_context_exchange = knobs.dcp_context_exchange
         self.pcp_dcp = self._check_dcp(vllm_config)
         self._step: PCPStep | None = None  # from _prepare_inputs to _model_forward
+        self.pcp_step_counts = PCPStepCounts()
+        self.pcp_sampled_tokens = SampledTokenCheck.from_env(self.pcp_group)
         logger.info("PCP model runner: rank %d of %d, prefills of >= %d tokens are split, "
                     "KV cache %s", self.pcp_rank, self.pcp_world_size,
                     self.pcp_min_split_tokens,
@@ -147,6 +178,9 @@ class PCPModelRunner(GPUModelRunner):
                 computed, scheduled, self.pcp_world_size, self.pcp_rank,
                 min_split_tokens=self.pcp_min_split_tokens,
                 decode_threshold=self.reorder_batch_threshold or 1, prefill_lens=prefill_lens))
+        if self._step is not None:
+            plan = self._step.plan
+            self.pcp_step_counts.count(plan.pcp if isinstance(plan, DCPAttentionPlan) else plan)
         return result
 
     def _plan_dcp_step(self, num_computed_tokens, num_scheduled_tokens,
@@ -354,3 +388,10 @@ class PCPModelRunner(GPUModelRunner):
                                         None, None, **model_kwargs)
         return restore_hidden_states(self.pcp_group, hidden, inputs.num_padded_tokens_per_rank,
                                      inputs.restore_indices, num_output_rows=input_ids.shape[0])
+
+    def _sample(self, logits, spec_decode_metadata):
+        """vLLM's sampler; with VLLM_PCP_CHECK_SAMPLED_TOKENS the ids are compared across
+        the PCP ranks before any rank feeds them back (:mod:`vllm_pcp.pcp.agreement`)."""
+        output = super()._sample(logits, spec_decode_metadata)
+        self.pcp_sampled_tokens.check(output.sampled_token_ids)
+        return output

@@ -26,3 +26,15 @@ class PCPWorker(Worker):
         gc.collect()
         torch.accelerator.empty_cache()
         self.model_runner = PCPModelRunner(self.vllm_config, self.device)
+
+    def pcp_step_counts(self) -> dict[str, int]:
+        """This rank's :class:`vllm_pcp.runner.PCPStepCounts` (``collective_rpc``)."""
+        from dataclasses import asdict
+
+        return asdict(self.model_runner.pcp_step_counts)
+
+    def pcp_sampled_token_checks(self) -> int:
+        """Steps whose sampled token ids this rank compared across the PCP ranks
+        (``VLLM_PCP_CHECK_SAMPLED_TOKENS``, :mod:`vllm_pcp.pcp.agreement`); 0 when off
+        (``collective_rpc``)."""
+        return self.model_runner.pcp_sampled_tokens.checked

@@ -1,0 +1,310 @@
+"""Attention settings of vLLM 0.26.0's FlashInferImpl that vllm-pcp's attention paths
+do not apply, refused at start-up (vllm_pcp.config) and again per layer
+(PCPFlashInferImpl, PCPFlashInferMetadataBuilder); and settings the split path's
+stock plan does apply.
+
+- ALiBi: vLLM's FlashInferImpl keeps ``alibi_slopes`` and never reads them, so under
+  every layout the plugin takes over (``-pcp``, ``-pcp -dcp``, ``-tp -dcp`` on
+  FLASHINFER) each layer would run plain causal attention.
+- cross-layer KV sharing (Gemma 3n, Gemma 4): not verified; under DCP a sharing layer
+  would write its own K/V into its target's cache.
+- under DCP: a quantized KV cache per layer, and layers of one KV cache group with
+  different softmax scales (the DCP attention plans one).
+"""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from test_config import _config, _refusal
+from vllm_pcp.config import PCPConfigError, prepare_pcp_config
+
+BLOOM = dict(architectures=["BloomForCausalLM"], model_type="bloom", hidden_size=64,
+             n_head=8, n_layer=2, vocab_size=256, layer_norm_epsilon=1e-5)
+FALCON = dict(architectures=["FalconForCausalLM"], model_type="falcon", hidden_size=64,
+              num_attention_heads=8, num_hidden_layers=2, vocab_size=256,
+              new_decoder_architecture=False, multi_query=True, parallel_attn=True,
+              bias=False, max_position_embeddings=2048)
+MPT = dict(architectures=["MPTForCausalLM"], model_type="mpt", d_model=64, n_heads=8,
+           n_layers=2, vocab_size=256, max_seq_len=2048)
+
+
+@pytest.fixture
+def config_of(tmp_path, monkeypatch):
+    """``make(hf, pcp, dcp, tp)``: vLLM's own VllmConfig of the model whose
+    config.json is ``hf``, written to ``tmp_path``."""
+    from vllm.config import AttentionConfig
+
+    from helpers import vllm_config_of
+
+    def make(hf, pcp=2, dcp=1, tp=1):
+        (tmp_path / "config.json").write_text(json.dumps(hf))
+        kwargs = {} if pcp > 1 else dict(attention_config=AttentionConfig(backend="FLASHINFER"))
+        return vllm_config_of(tmp_path, monkeypatch, dict(
+            prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp,
+            tensor_parallel_size=tp), **kwargs)
+
+    return make
+
+
+def _alibi_refusal(arch: str, drop: str) -> str:
+    return (f"ALiBi attention ({arch}: vLLM's ModelConfig.uses_alibi): vllm-pcp's attention "
+            "adds no ALiBi bias (vLLM 0.26.0's FlashInferImpl keeps the slopes and never "
+            f"reads them); {drop}: vLLM's default attention backend applies ALiBi on one "
+            "GPU and with -tp alone")
+
+
+@pytest.mark.parametrize("layout,drop", [
+    (dict(pcp=2), "drop -pcp"), (dict(pcp=2, dcp=2), "drop -pcp and -dcp")])
+def test_bloom_is_refused_under_pcp_and_dcp(config_of, layout, drop):
+    """A 2-layer BLOOM, whose every layer vLLM builds with ALiBi slopes. (BLOOM cannot
+    run DCP inside TP: vLLM needs more TP ranks than KV heads, and BLOOM has one KV head
+    per query head.)"""
+    assert _alibi_refusal("BloomForCausalLM", drop) in _refusal(
+        lambda: config_of(BLOOM, **layout))
+
+
+def test_alibi_is_refused_for_dcp_inside_tp(config_of):
+    """-tp 2 -dcp 2 --attention-backend FLASHINFER on a multi-query Falcon with ALiBi."""
+    assert _alibi_refusal("FalconForCausalLM", "drop -dcp") in _refusal(
+        lambda: config_of({**FALCON, "alibi": True}, pcp=1, dcp=2, tp=2))
+
+
+@pytest.mark.parametrize("hf,alibi", [
+    ({**FALCON, "alibi": True}, True), ({**FALCON, "alibi": False}, False),
+    ({**MPT, "attn_config": {"alibi": True}}, True),
+    ({**MPT, "attn_config": {"alibi": False}}, False)])
+def test_falcon_and_mpt_are_refused_when_their_config_turns_alibi_on(config_of, hf, alibi):
+    cfg = config_of(hf)
+    assert cfg.model_config.uses_alibi is alibi  # vLLM's own test, which the check reads
+    if alibi:
+        assert "ALiBi attention (" in _refusal(lambda: cfg)
+    else:
+        assert prepare_pcp_config(cfg)
+
+
+def test_step1_is_refused_by_architecture():
+    """step1.py always passes ALiBi slopes (square-root variant), which
+    ModelConfig.uses_alibi does not name."""
+    with pytest.raises(PCPConfigError, match=r"ALiBi attention \(architecture "
+                       r"Step1ForCausalLM\)"):
+        prepare_pcp_config(_config(architectures=["Step1ForCausalLM"]))
+
+
+@pytest.mark.parametrize("over,drop", [(dict(), "drop -pcp"),
+                                       (dict(decode_context_parallel_size=2),
+                                        "drop -pcp and -dcp")])
+def test_kv_sharing_models_are_refused(over, drop):
+    with pytest.raises(PCPConfigError) as err:
+        prepare_pcp_config(_config(hf=dict(num_kv_shared_layers=20), **over))
+    assert ("cross-layer KV sharing (the model's num_kv_shared_layers = 20): not yet "
+            "verified with vllm-pcp (under -dcp a sharing layer's forward would write its "
+            f"own K/V into its target layer's cache); {drop}") in str(err.value)
+    assert prepare_pcp_config(_config(hf=dict(num_kv_shared_layers=0), **over))
+
+
+# -- per layer ----------------------------------------------------------------------------
+
+@pytest.fixture
+def make_impl(monkeypatch):
+    """``make(dcp, pcp, **impl_kwargs)``: a real PCPFlashInferImpl (8 query heads, 2 KV
+    heads, head size 64) built on the CPU, its group sizes given."""
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.v1.attention.backends.flashinfer as flashinfer
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    from vllm_pcp.backend import PCPFlashInferImpl
+
+    monkeypatch.setattr(flashinfer, "can_use_trtllm_attention", lambda *a, **k: False)
+    config = VllmConfig(device_config=DeviceConfig(device="cuda"))
+
+    def make(dcp, pcp=1, kv_cache_dtype="auto", scale=0.125, **kwargs):
+        for name, size in (("get_dcp_group", dcp), ("get_pcp_group", pcp)):
+            monkeypatch.setattr(parallel_state, name, lambda size=size: SimpleNamespace(
+                world_size=size, rank_in_group=0))
+        with set_current_vllm_config(config):
+            return PCPFlashInferImpl(8, 64, scale, 2, **{
+                "alibi_slopes": None, "sliding_window": None, **kwargs,
+                "kv_cache_dtype": kv_cache_dtype})
+
+    return make
+
+
+SLOPES = [2.0 ** -(i + 1) for i in range(8)]
+
+
+@pytest.mark.parametrize("pcp,dcp,message", [
+    (2, 1, "vllm-pcp cannot run -pcp 2 with an attention layer with ALiBi slopes: "
+     "vllm-pcp's attention does not apply it; drop -pcp (vLLM's default attention "
+     "backend runs the layer on one GPU or with -tp alone)"),
+    (2, 2, "vllm-pcp cannot run -pcp 2 -dcp 2 with an attention layer with ALiBi slopes: "
+     "vllm-pcp's attention does not apply it; drop -pcp and -dcp"),
+    (1, 2, "vllm-pcp cannot run -dcp 2 with an attention layer with ALiBi slopes: "
+     "vllm-pcp's attention does not apply it; drop -dcp")])
+def test_alibi_layers_are_refused_under_every_layout(make_impl, pcp, dcp, message):
+    with pytest.raises(PCPConfigError) as err:
+        make_impl(dcp=dcp, pcp=pcp, alibi_slopes=SLOPES)
+    assert str(err.value).startswith(message)
+
+
+def test_kv_sharing_layers_are_refused(make_impl):
+    with pytest.raises(PCPConfigError, match=r"^vllm-pcp cannot run -pcp 2 with an "
+                       r"attention layer with its KV cache shared with layers\.0\.attn: "):
+        make_impl(dcp=1, pcp=2, kv_sharing_target_layer_name="layers.0.attn")
+    with pytest.raises(PCPConfigError, match="ALiBi slopes and its KV cache shared with "
+                       r"layers\.0\.attn and a sliding window of 64 tokens: vllm-pcp's "
+                       r"attention does not apply them; drop \-pcp and \-dcp"):
+        make_impl(dcp=2, pcp=2, alibi_slopes=SLOPES, sliding_window=64,
+                  kv_sharing_target_layer_name="layers.0.attn")
+
+
+def test_stock_layers_keep_their_settings(make_impl):
+    """At PCP = DCP = 1 the plugin's impl stands behind FLASHINFER for every model and
+    must be vLLM's: ALiBi slopes, KV sharing and fp8 caches are kept as vLLM keeps them."""
+    impl = make_impl(dcp=1, pcp=1, alibi_slopes=SLOPES, kv_cache_dtype="fp8",
+                     kv_sharing_target_layer_name="layers.0.attn")
+    assert impl.alibi_slopes.tolist() == SLOPES
+    assert (impl.kv_cache_dtype, impl.kv_sharing_target_layer_name) == ("fp8",
+                                                                        "layers.0.attn")
+    assert make_impl(dcp=1, pcp=2, kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+
+
+def test_dcp_layers_refuse_a_quantized_kv_cache(make_impl):
+    """A checkpoint's KV cache scheme can make a layer fp8 past the start-up check
+    (vLLM's Attention turns ``auto`` into ``fp8``)."""
+    with pytest.raises(PCPConfigError, match=r"\(\-pcp 2 \-dcp 2\) with an attention layer "
+                       "with a fp8 KV cache: vllm-pcp's DCP attention plans FlashInfer "
+                       "without window_left, logits_soft_cap, sinks or a quantized KV "
+                       r"cache; drop \-\-decode\-context\-parallel\-size \(run \-pcp 2 "
+                       r"alone\)"):
+        make_impl(dcp=2, pcp=2, kv_cache_dtype="fp8")
+
+
+def test_non_decoder_layers_are_refused_by_vllm(make_impl):
+    """vLLM's FlashInferImpl refuses encoder, encoder-only and cross attention; the
+    plugin's subclass runs that check first (the models with such layers, pooling and
+    encoder-decoder ones, are refused at start-up by vllm_pcp.config)."""
+    from vllm.v1.attention.backend import AttentionType
+
+    for attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY,
+                      AttentionType.ENCODER_DECODER):
+        with pytest.raises(NotImplementedError, match="not implemented for FlashInferImpl"):
+            make_impl(dcp=2, pcp=2, attn_type=attn_type)
+
+
+# -- per KV cache group: the builder --------------------------------------------------------
+
+class _Layer:
+    """An attention layer as vLLM's static forward context holds it."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+
+@pytest.fixture
+def make_builder(tmp_path, monkeypatch):
+    """``make(layers, dcp=1)``: the plugin's FlashInfer builder of a real ``-pcp 2``
+    (``-dcp``) config over one KV cache group of layers, the i-th built with the impl
+    keywords ``layers[i]``; on the CPU, off SM90."""
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.v1.attention.backends.flashinfer as flashinfer
+    from vllm.config import AttentionConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from helpers import real_vllm_config
+    from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder
+
+    monkeypatch.setattr(flashinfer, "can_use_trtllm_attention", lambda *a, **k: False)
+    monkeypatch.setattr(flashinfer, "PIN_MEMORY", False)
+    monkeypatch.setattr(flashinfer.current_platform, "is_device_capability",
+                        lambda capability: False)
+    layer_cls = type("Layer", (_Layer, AttentionLayerBase), dict(
+        get_attn_backend=lambda self: None, get_kv_cache_spec=lambda self, c: None))
+
+    def make(layers, dcp=1):
+        group = lambda: SimpleNamespace(world_size=dcp, rank_in_group=0)  # noqa: E731
+        monkeypatch.setattr(parallel_state, "get_dcp_group", group)
+        monkeypatch.setattr(flashinfer, "get_dcp_group", group)
+        config = real_vllm_config(tmp_path, monkeypatch, dict(
+            prefill_context_parallel_size=2, decode_context_parallel_size=dcp),
+            attention_config=AttentionConfig(backend="FLASHINFER"))
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                 dtype=torch.bfloat16)
+        names = [f"layers.{i}.attn" for i in range(len(layers))]
+        with set_current_vllm_config(config):
+            for name, kwargs in zip(names, layers):
+                kwargs = {"scale": 0.125, **kwargs}
+                impl = PCPFlashInferImpl(8, 64, kwargs.pop("scale"), 2, None, None, "auto",
+                                         **kwargs)
+                config.compilation_config.static_forward_context[name] = layer_cls(impl)
+            return PCPFlashInferMetadataBuilder(spec, names, config, torch.device("cpu"))
+
+    return make
+
+
+def test_dcp_refuses_layers_of_different_scales_in_one_group(make_builder):
+    """The DCP attention plans the group's one ``sm_scale`` (vLLM's first layer's); vLLM's
+    own plan asserts the layers agree, the DCP path never reaches that assert."""
+    with pytest.raises(PCPConfigError) as err:
+        make_builder([dict(scale=0.125), dict(scale=0.25)], dcp=2)
+    assert str(err.value) == (
+        "vllm-pcp cannot run -pcp 2 -dcp 2 with attention layers of softmax scales 0.125, "
+        "0.25 in one KV cache group: vllm-pcp's DCP attention plans one scale for all of "
+        "them; drop -pcp and -dcp (vLLM's default attention backend takes a scale per "
+        "layer)")
+    builder = make_builder([dict(scale=0.25), dict(scale=0.25)], dcp=2)
+    assert builder.global_hyperparameters.sm_scale == 0.25  # what build_dcp plans with
+    make_builder([dict(scale=0.125), dict(scale=0.25)])  # -pcp alone: vLLM's to check
+
+
+class _RecordingPrefillWrapper:
+    """Stands in for FlashInfer's BatchPrefillWithPagedKVCacheWrapper: keeps ``plan``'s
+    arguments."""
+
+    plans: list = []
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def plan(self, **kwargs):
+        self.plans.append(kwargs)
+
+
+def test_split_rows_plan_the_layers_soft_cap_and_scale(make_builder, monkeypatch):
+    """At DCP = 1 a split step's local rows are planned by vLLM's builder, which carries
+    the layers' ``logits_soft_cap`` and softmax scale into FlashInfer's plan."""
+    import vllm.v1.attention.backends.flashinfer as flashinfer
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
+
+    builder = make_builder([dict(scale=0.3, logits_soft_cap=30.0)] * 2)
+    monkeypatch.setattr(flashinfer, "BatchPrefillWithPagedKVCacheWrapper",
+                        _RecordingPrefillWrapper)
+    monkeypatch.setattr(flashinfer, "_copy_page_indices_kernel", _NoKernel())
+    monkeypatch.setattr(flashinfer, "use_trtllm_attention", lambda *a, **k: False)
+    monkeypatch.setattr(_RecordingPrefillWrapper, "plans", [])
+    plan = build_pcp_metadata_all_ranks([0], [64], 2, min_split_tokens=2)[0]
+    q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
+    cm = CommonAttentionMetadata(
+        query_start_loc=plan.query_start_loc, query_start_loc_cpu=plan.query_start_loc,
+        seq_lens=plan.seq_lens, _seq_lens_cpu=plan.seq_lens,
+        _num_computed_tokens_cpu=plan.seq_lens - q_lens,
+        seq_lens_cpu_upper_bound=plan.seq_lens, num_reqs=plan.num_rows,
+        num_actual_tokens=plan.num_local_tokens, max_query_len=plan.max_query_len,
+        max_seq_len=int(plan.seq_lens.max()), causal=True,
+        block_table_tensor=torch.arange(4, dtype=torch.int32).repeat(plan.num_rows, 1),
+        slot_mapping=torch.zeros(plan.num_local_tokens, dtype=torch.int64))
+    with set_current_vllm_config(builder.vllm_config):
+        builder.build(common_prefix_len=0, common_attn_metadata=cm)
+    [planned] = _RecordingPrefillWrapper.plans
+    assert (planned["logits_soft_cap"], planned["sm_scale"], planned["window_left"],
+            planned["causal"]) == (30.0, 0.3, -1, True)
+
+
+class _NoKernel:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None

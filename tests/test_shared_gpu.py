@@ -1,0 +1,195 @@
+"""The test harness that lets an engine's ranks share fewer GPUs (tests/engine/shared_gpu.py
+and its test-only plugin): when it engages, what it sets, and every vLLM 0.26.0 symbol it
+relies on, so that an upgrade that moves one fails here rather than on a GPU host."""
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engine"))
+import shared_gpu  # noqa: E402
+import vllm_pcp_shared_gpu as plugin  # noqa: E402
+
+
+def test_env_puts_the_plugin_first_on_the_path_and_names_the_mode():
+    env = shared_gpu.env(base={"PYTHONPATH": f"/a{os.pathsep}{shared_gpu.PLUGIN_DIR}"})
+    assert env == {"PYTHONPATH": f"{shared_gpu.PLUGIN_DIR}{os.pathsep}/a",
+                   plugin.MODE_VAR: "auto"}
+    assert shared_gpu.env("force", base={})[plugin.MODE_VAR] == "force"
+    assert shared_gpu.env(base={plugin.MODE_VAR: "force"})[plugin.MODE_VAR] == "force"
+    with pytest.raises(ValueError, match="auto, force"):
+        shared_gpu.env("sometimes", base={})
+
+
+def test_the_shell_gets_export_lines():
+    out = subprocess.run([sys.executable, shared_gpu.__file__, "env", "force"],
+                         capture_output=True, text=True, timeout=60).stdout.splitlines()
+    assert out[0].startswith("export PYTHONPATH=") and shared_gpu.PLUGIN_DIR in out[0]
+    assert out[1] == f"export {plugin.MODE_VAR}=force"
+
+
+def test_vllm_finds_the_plugin_through_its_entry_point_only_on_that_path():
+    code = ("import json; from importlib.metadata import entry_points; "
+            "print(json.dumps([e.value for e in entry_points(group='vllm.general_plugins')]))")
+
+    def values(env):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60, env=env)
+        return json.loads(out.stdout)
+
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    assert "vllm_pcp_shared_gpu:register" in values({**clean, **shared_gpu.env(base=clean)})
+    assert "vllm_pcp_shared_gpu:register" not in values(clean)
+
+
+@pytest.mark.parametrize("mode,world,gpus,engaged", [
+    ("auto", 2, 1, True), ("auto", 8, 1, True), ("auto", 2, 2, False), ("auto", 1, 1, False),
+    ("force", 2, 2, True), ("force", 1, 8, True), ("off", 8, 1, False)])
+def test_it_engages_only_with_fewer_gpus_than_ranks_unless_forced(mode, world, gpus, engaged):
+    assert plugin.engages(mode, world, gpus) is engaged
+
+
+def test_ranks_take_the_gpus_round_robin():
+    assert plugin.shared_device_ids(2, [0]) == [0, 0]
+    assert plugin.shared_device_ids(8, [3, 5]) == [3, 5, 3, 5, 3, 5, 3, 5]
+
+
+def _engine_args(tmp_path, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(tmp_path), **kw)
+
+
+def _wrapped(monkeypatch, gpus: int, mode: str = "auto"):
+    """The plugin's EngineArgs wrappers over a stand-in create_engine_config that reports
+    what vLLM's would build the ParallelConfig from."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    def fake_create(self, *args, **kwargs):
+        return (self.distributed_executor_backend, self.disable_custom_all_reduce,
+                self._resolve_device_ids())
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", fake_create)
+    monkeypatch.setattr(EngineArgs, "_resolve_device_ids", EngineArgs._resolve_device_ids)
+    monkeypatch.setattr(current_platform, "device_count", lambda: gpus)
+    monkeypatch.setenv(plugin.MODE_VAR, mode)
+    for var in (plugin.ENGAGED_VAR, "NCCL_SOCKET_IFNAME", "VLLM_WORKER_MULTIPROC_METHOD",
+                current_platform.device_control_env_var):
+        monkeypatch.delenv(var, raising=False)
+    plugin._wrap_engine_args()
+
+
+def test_engaged_the_ranks_share_one_gpu_over_the_mp_executor(tmp_path, monkeypatch):
+    _wrapped(monkeypatch, gpus=1)
+    args = _engine_args(tmp_path, prefill_context_parallel_size=2, tensor_parallel_size=2,
+                        kv_cache_memory_bytes=1 << 30)
+    assert args.create_engine_config() == ("mp", True, [0, 0, 0, 0])
+    assert os.environ[plugin.ENGAGED_VAR] == "1"
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def test_with_a_gpu_per_rank_nothing_changes(tmp_path, monkeypatch):
+    _wrapped(monkeypatch, gpus=2)
+    args = _engine_args(tmp_path, prefill_context_parallel_size=2)
+    assert args.create_engine_config() == (None, False, None)
+    assert plugin.ENGAGED_VAR not in os.environ
+
+
+def test_forced_and_with_visible_devices_the_ids_are_physical(tmp_path, monkeypatch):
+    from vllm.platforms import current_platform
+
+    _wrapped(monkeypatch, gpus=2, mode="force")
+    monkeypatch.setenv(current_platform.device_control_env_var, "4,6")
+    args = _engine_args(tmp_path, prefill_context_parallel_size=4,
+                        kv_cache_memory_bytes=1 << 30)
+    assert args.create_engine_config() == ("mp", True, [4, 6, 4, 6])
+
+
+def test_a_shared_gpu_needs_a_fixed_kv_pool(tmp_path, monkeypatch):
+    _wrapped(monkeypatch, gpus=1)
+    args = _engine_args(tmp_path, prefill_context_parallel_size=2)
+    with pytest.raises(ValueError, match="--kv-cache-memory-bytes"):
+        args.create_engine_config()
+
+
+def test_workers_fold_gpu_ids_past_the_hosts_onto_its_gpus(monkeypatch):
+    import vllm.platforms.interface as interface
+
+    seen = []
+    monkeypatch.setattr(interface, "set_assigned_physical_gpu_ids", seen.append)
+    from vllm.platforms import current_platform
+
+    monkeypatch.setenv(plugin.ENGAGED_VAR, "1")
+    monkeypatch.delenv(current_platform.device_control_env_var, raising=False)
+    plugin._wrap_device_ids_of_workers()
+    interface.set_assigned_physical_gpu_ids([0, 1])  # Ray's ids of a head declaring 2 GPUs
+    interface.set_assigned_physical_gpu_ids([0, 0])  # the mp executor's: already folded
+    assert seen == [[0, 0], [0, 0]]
+
+
+def test_each_process_gives_nccl_a_host_of_its_own(monkeypatch):
+    monkeypatch.delenv("NCCL_HOSTID", raising=False)
+    plugin.give_nccl_own_host()
+    assert os.environ["NCCL_HOSTID"] == f"vllm-pcp-shared-gpu-{os.getpid()}"
+
+
+# --- what the harness relies on in vLLM 0.26.0 -------------------------------------------
+
+def test_vllm_builds_the_parallel_config_from_the_fields_the_harness_sets():
+    from vllm.engine.arg_utils import EngineArgs
+
+    source = inspect.getsource(EngineArgs.create_engine_config)
+    assert "assigned_physical_gpu_ids=self._resolve_device_ids()" in source
+    assert "distributed_executor_backend=self.distributed_executor_backend" in source
+    assert "disable_custom_all_reduce=self.disable_custom_all_reduce" in source
+    fields = inspect.signature(EngineArgs).parameters
+    for name in ("device_ids", "kv_cache_memory_bytes", "distributed_executor_backend",
+                 "disable_custom_all_reduce", "tensor_parallel_size", "pipeline_parallel_size",
+                 "prefill_context_parallel_size", "data_parallel_size"):
+        assert name in fields, name
+    # vLLM's --device-ids refuses a GPU twice: why the harness sets the ids past it
+    assert "must not contain duplicates" in inspect.getsource(EngineArgs._resolve_device_ids)
+
+
+def test_vllm_refuses_a_world_larger_than_the_gpus_only_when_it_picks_the_executor():
+    from vllm.config.parallel import ParallelConfig
+
+    source = inspect.getsource(ParallelConfig.__post_init__)
+    guard = source.index("if self.distributed_executor_backend is None and")
+    assert guard < source.index("is larger than the number of") < guard + 1500
+
+
+def test_the_worker_maps_its_local_rank_through_the_assigned_ids():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    source = inspect.getsource(Worker.init_device)
+    assert "from vllm.platforms.interface import set_assigned_physical_gpu_ids" in source
+    assert "set_assigned_physical_gpu_ids(assigned_physical_gpu_ids)" in source
+    assert "logical_device_id_to_visible_device_id(self.local_rank)" in source
+
+
+def test_vllm_loads_general_plugins_before_it_builds_a_config_and_in_every_worker():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    assert DEFAULT_PLUGINS_GROUP == "vllm.general_plugins"
+    assert "load_general_plugins()" in inspect.getsource(EngineArgs.__post_init__)
+    assert "load_general_plugins()" in inspect.getsource(WorkerWrapperBase.init_worker)
+
+
+def test_vllm_reads_the_variables_the_harness_sets():
+    import vllm.envs as envs
+
+    assert "VLLM_WORKER_MULTIPROC_METHOD" in envs.environment_variables
+    assert "VLLM_USE_V2_MODEL_RUNNER" in envs.environment_variables
+    from vllm.v1.executor import ray_utils
+
+    # Ray: one GPU per rank in vLLM's placement group, hence a head declaring `world` GPUs
+    assert "{device_str: 1.0} for _ in range(parallel_config.world_size)" in \
+        inspect.getsource(ray_utils.initialize_ray_cluster)
