@@ -234,15 +234,27 @@ def run_groups(llm, args, cases, max_prompt_len: int, vocab_size: int,
         out["feature_results"] = [
             res for g in features for res in run_feature_group(
                 llm, g, max_prompt_len, vocab_size, args.max_tokens, tokenizer)]
+    if args.teacher:
+        try:
+            out["scores"] = _score(llm, args, cases, out)
+        except (RuntimeError, ValueError) as exc:  # the cases above stay recorded
+            out["scores_error"] = repr(exc)
+    return out
+
+
+def _score(llm, args, cases, out: dict) -> list[dict]:
+    """``--teacher``'s scoring, on a prefix cache emptied of what the cases above
+    cached (their outputs would be hits past the prompts)."""
     if args.teacher == "self":  # this engine's own greedy outputs, scored
         if "results" not in out:
-            raise SystemExit("--teacher self scores the standard cases: add them to --cases")
-        out["scores"] = score_cases(llm, cases, continuations_of(out["results"]))
-    elif args.teacher:
+            raise ValueError("--teacher self scores the standard cases: add them to --cases")
+        continuations = continuations_of(out["results"])
+    else:
         with open(args.teacher) as f:
             continuations = teacher_continuations(json.load(f), args.teacher_model)
-        out["scores"] = score_cases(llm, cases, continuations)
-    return out
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset before scoring")
+    return score_cases(llm, cases, continuations)
 
 
 def main() -> None:

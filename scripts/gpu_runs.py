@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import shared_gpu  # noqa: E402
 
 # what a raw entry keeps of an exactness worker's file besides its main key
-RAW_KEYS = ("results", "feature_results", "scores", "kv_capacity_tokens", "step_counts",
-            "shared_gpus")
+RAW_KEYS = ("results", "feature_results", "scores", "scores_error", "kv_capacity_tokens",
+            "step_counts", "shared_gpus")
 
 # "RuntimeError: ..." after any "(Worker pid=N) ERROR ... [file.py:N]" prefix
 _ERROR_LINE = re.compile(r"(?:^|\s)((?:\w+\.)*\w*(?:Error|Exception): .*)$")
