@@ -188,7 +188,8 @@ EOF
     proof --lanes 1 --one-gpu-lanes 8 --jobs "${PROOF_BASE_JOBS:-$base}" --teacher self \
       --raw "$work/raw-base.json" > "$work/base.log" 2>&1 &
     feats --lanes 1 --one-gpu-lanes 2 --models $r --variants chunked \
-      --configs pcp1-v1-fp8,pcp1-v1-preempt --raw "$work/raw-features-base.json" \
+      --configs "${PROOF_FEATURE_BASE:-pcp1-v1-fp8,pcp1-v1-preempt}" \
+      --raw "$work/raw-features-base.json" \
       > "$work/features-base.log" 2>&1 &
     wait
     jobs=$r:chunked:pcp2:$f,$s:chunked:pcp2:$f,$r:chunked:pcp2-dcp2-i8:$f,$r:chunked:pcp4:$f
@@ -208,8 +209,8 @@ EOF
     proof --lanes "${PROOF_LANES:-5}" --one-gpu-lanes 2 --jobs "${PROOF_JOBS:-$jobs}" \
       --teacher "$work/raw-base.json" --raw "$work/raw-proof.json" > "$work/proof.log" 2>&1 &
     exchanges=pcp2-dcp2-i1-queries,pcp2-dcp2-i1-keys,pcp2-dcp2-i16-queries,pcp2-dcp2-i16-keys
-    feats --lanes 1 --models $r --variants chunked --raw "$work/raw-features.json" \
-      --configs $exchanges,pcp2-preempt,pcp4-preempt,pcp2-dcp2-i1-preempt,pcp2-fp8,pcp4-fp8,pcp2-dcp2-i1-fp8 \
+    feats --lanes "${PROOF_FEATURE_LANES:-1}" --models $r --variants chunked --raw "$work/raw-features.json" \
+      --configs "${PROOF_FEATURES:-$exchanges,pcp2-preempt,pcp4-preempt,pcp2-dcp2-i1-preempt,pcp2-fp8,pcp4-fp8,pcp2-dcp2-i1-fp8}" \
       > "$work/features.log" 2>&1 &
     feats --lanes 1 --models mistral-swa512 --variants unchunked --configs pcp2,pcp2-dcp2-i1-auto \
       --raw "$work/raw-features-swa.json" > "$work/features-swa.log" 2>&1 &
