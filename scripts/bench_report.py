@@ -235,6 +235,9 @@ def gsm8k_table(doc: dict) -> str:
                    "flexible vs 1 GPU"])
 
 
+EXACTNESS_FILES = ("exactness-pcp.json", "exactness-dcp.json")
+
+
 def exactness_table(doc: dict) -> str:
     """A markdown table of a check_exactness.py result file: per comparison (its cases, then
     the one-GPU noise floor's), how many cases pass vLLM's top-5 rule, how many have no
@@ -254,6 +257,31 @@ def exactness_table(doc: dict) -> str:
                          "widest margin"], text_columns=2)
 
 
+def features_table(doc: dict) -> str:
+    """A markdown table of exactness-features.json: per case name, the comparisons that ran
+    it, how many pass (vLLM's top-5 rule and the case's own rule), how many are token for
+    token; then the refusals."""
+    rows = [[name, str(s["cases"]), str(s["passed"]), str(s["no_divergence"])]
+            for name, s in doc["summary"]["by_case"].items()]
+    refusals = doc["summary"]["refusals"]
+    rows.append(["refusals at start-up", str(refusals["cases"]), str(refusals["passed"]), "-"])
+    return _table(rows, ["case", "comparisons", "pass", "no divergence"])
+
+
+def teacher_table(doc: dict) -> str:
+    """A markdown table of exactness-teacher.json: per configuration (floors first) the
+    scored positions and the |logprob difference| at max and p99, and positions over 1."""
+    summary = doc["summary"]
+    rows = []
+    for kind, group in (("noise floor", summary["noise_floor"]), ("plugin", summary["configs"])):
+        for label, stats in group.items():
+            rows.append([label, kind] + (["failed"] * 4 if stats is None else [
+                str(stats["positions"]), f"{stats['max_abs_logprob_diff']:.4g}",
+                f"{stats['p99_abs_logprob_diff']:.4g}", str(stats["positions_over_1"])]))
+    return _table(rows, ["comparison", "kind", "positions", "max", "p99", "over 1.0"],
+                  text_columns=2)
+
+
 def generated_tables(root: str) -> dict[str, list[str]]:
     """Every table the docs print from the committed result files, by the markdown file
     (relative to ``root``) that holds it; tests/test_bench_report.py keeps them equal."""
@@ -261,9 +289,9 @@ def generated_tables(root: str) -> dict[str, list[str]]:
         with open(os.path.join(root, "benchmarks", "results", name)) as f:
             return json.load(f)
 
-    def exactness(name):
+    def result(name):
         with open(os.path.join(root, "tests", "gpu", "results", name)) as f:
-            return exactness_table(json.load(f))
+            return json.load(f)
 
     ttft, serve, gsm8k = load("ttft.json"), load("serve.json"), load("gsm8k.json")
     return {
@@ -273,8 +301,9 @@ def generated_tables(root: str) -> dict[str, list[str]]:
             timing_table(ttft), timing_table(load("ttft-chunked.json"), load("itl.json")),
             serve_table([serve]), gsm8k_table(gsm8k)],
         os.path.join("docs", "exactness.md"): [
-            exactness(name) for name in ("exactness-pcp.json", "exactness-dcp.json",
-                                         "exactness-dcp-i16.json")],
+            *(exactness_table(result(name)) for name in EXACTNESS_FILES),
+            features_table(result("exactness-features.json")),
+            teacher_table(result("exactness-teacher.json"))],
     }
 
 

@@ -1,36 +1,32 @@
-"""PCP = 1 against PCP = 2 (and more) on 2 x H200: same greedy tokens and logprobs.
+"""Engines of several ranks against one GPU (pcp1-v1, the V1 runner): same greedy tokens
+and logprobs, feature cases, teacher-forced scores (run_gpu_checks.sh engine-proof).
 
 Three steps, each its own command:
 
     python scripts/check_exactness.py models --out-dir /tmp/pcp-models --layers 4
-    python scripts/check_exactness.py run --models qwen2.5-3b-shape,smollm2 \
-        --variants unchunked,chunked --configs pcp1,pcp2 --raw $OUT/raw-1.json
-    python scripts/check_exactness.py compare --raw raw-1.json raw-2.json \
+    python scripts/check_exactness.py run --jobs qwen2.5-3b-shape:chunked:pcp1-v1:standard+features \
+        --teacher self --raw $OUT/raw-base.json
+    python scripts/check_exactness.py run --jobs qwen2.5-3b-shape:chunked:pcp2:standard+features \
+        --teacher $OUT/raw-base.json --raw $OUT/raw-proof.json
+    python scripts/check_exactness.py compare --raw raw-base.json raw-proof.json \
         --git-rev REV --command "..." --out tests/gpu/results/exactness-pcp.json
 
 ``models`` builds random-weight models from ``configs/models/*.json``
-(transformers init, seed 0); ``run`` starts one engine per (model, variant,
-config) in its own process (scripts/exactness_worker.py); ``compare`` applies
-the pass rule of exactness_lib.compare_outputs to every case.
+(transformers init, seed 0); ``run`` starts one engine per job (``--jobs``, or every
+model x variant x config) in its own process (scripts/exactness_worker.py), which runs
+its case groups and then, with ``--teacher``, scores the one-GPU greedy outputs of the
+baseline run (``self``: its own) appended to the prompts; ``compare`` applies the pass
+rule of exactness_lib.compare_outputs to every case, ``teacher`` the teacher-forced
+measure (scripts/exactness_teacher.py) to the scores.
 
-The teacher-forced measure (scripts/run_gpu_checks.sh teacher) scores the pcp1
-greedy outputs of a ``run`` in every configuration, then compares the scores:
-
-    python scripts/check_exactness.py run --configs pcp1 --variants chunked \
-        --max-tokens 256 --models ... --raw raw-gen.json
-    python scripts/check_exactness.py run --teacher raw-gen.json --max-tokens 256 \
-        --configs pcp1,pcp1-graphs,pcp1-flash-attn,pcp2 --models ... --raw raw-teacher.json
-    python scripts/check_exactness.py teacher --raw raw-teacher.json --git-rev REV \
-        --command "..." --out tests/gpu/results/exactness-teacher.json
-
-The feature cases (scripts/exactness_features.py; run_gpu_checks.sh exact-features)
-have their own subcommand: each configuration carries its case group, baseline and
-tokenizer, a run that must be refused is timed from its log and killed if it hangs,
-and the judging adds rules of its own (n = 4 exact, prompt logprobs, preemption):
+The feature cases (scripts/exactness_features.py) also run on engines of their own
+(``features run``: a configuration's group, baseline and pool; a run that must be
+refused is timed from its log and killed if it hangs); ``features compare`` judges every
+feature result with the rules of its kind (n = 4 exact, prompt logprobs, preemption):
 
     python scripts/check_exactness.py features run --models qwen2.5-3b-shape \
-        --variants chunked,unchunked --raw raw-features.json
-    python scripts/check_exactness.py features compare --raw raw-features*.json \
+        --variants chunked --configs pcp2-preempt,pcp2-dcp2-i1-fp8 --raw raw-features.json
+    python scripts/check_exactness.py features compare --raw raw-*.json \
         --git-rev REV --command "..." --out tests/gpu/results/exactness-features.json
 """
 from __future__ import annotations
@@ -67,7 +63,6 @@ CONFIGS = {name: worker_flags(name) for name in (
 BASELINE = {c: "pcp1-v1-graphs" if c.endswith("-graphs") else "pcp1-v1"
             for c in CONFIGS if c not in ("pcp1", "pcp1-graphs", "pcp1-v1", "pcp1-v1-graphs",
                                           "pcp1-flash-attn")}
-BASELINE["pcp1-flash-attn"] = "pcp1"
 # the feature cases' own configurations (their baselines: exactness_features_cli)
 CONFIGS.update(feature_configs())
 # The noise floor: one GPU against itself, (variant, config) vs (variant, config). CUDA
@@ -75,6 +70,7 @@ CONFIGS.update(feature_configs())
 # roundings in another order; any exact change of kernel or partition is measured against it.
 FLOOR_PAIRS = ((("chunked", "pcp1"), ("chunked", "pcp1-v1")),  # V2 against V1
                (("unchunked", "pcp1"), ("unchunked", "pcp1-v1")),
+               (("chunked", "pcp1-flash-attn"), ("chunked", "pcp1")),  # another kernel
                (("chunked", "pcp1-graphs"), ("chunked", "pcp1")),
                (("unchunked", "pcp1-graphs"), ("unchunked", "pcp1")),
                (("chunked", "pcp1"), ("unchunked", "pcp1")),
@@ -249,16 +245,18 @@ def _compare_run(model: str, label: str, run: dict, base: dict, tokens: int) -> 
     return cases
 
 
-def _load_runs(paths: list[str]) -> tuple[dict, dict]:
+def _load_runs(paths: list[str], models: str = "") -> tuple[dict, dict]:
     """The runs of raw files by (model, variant, config), a later file's replacing an
-    earlier one's, and the versions of the last file."""
-    runs, host = {}, {}
+    earlier one's, and the versions of the last file; ``models`` (comma-separated): only
+    theirs."""
+    runs, host, only = {}, {}, set(filter(None, models.split(",")))
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         host = data["versions"]
         for run in data["runs"]:
-            runs[(run["model"], run["variant"], run["config"])] = run
+            if not only or run["model"] in only:
+                runs[(run["model"], run["variant"], run["config"])] = run
     return runs, host
 
 
@@ -289,7 +287,7 @@ def shared_gpus(runs: dict) -> dict | None:
 
 
 def compare(args) -> None:
-    runs, host = _load_runs(args.raw)
+    runs, host = _load_runs(args.raw, getattr(args, "models", ""))
     runs = {key: run for key, run in runs.items() if run["returncode"] or "results" in run}
     cases = []
     for (model, variant, config), run in sorted(runs.items()):
@@ -391,6 +389,8 @@ def add_result_args(parser) -> None:
     parser.add_argument("--command", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--note", default="", help="stored as meta.note")
+    parser.add_argument("--models", default="",
+                        help="only these models' runs (comma-separated; default: all)")
 
 
 def main() -> None:

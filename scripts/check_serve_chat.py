@@ -100,6 +100,9 @@ def _ask(port: int, model: str) -> dict:
     after_abort = _greedy_chat(client, model)
     return {"text": choice.message.content,
             "token_logprobs": [t.logprob for t in choice.logprobs.content],
+            "tokens": [t.token for t in choice.logprobs.content],
+            "top_logprobs": [{**{top.token: top.logprob for top in t.top_logprobs},
+                              t.token: t.logprob} for t in choice.logprobs.content],
             "prompt_tokens": chat.usage.prompt_tokens,
             "bad_request_status": bad_status,
             "text_after_bad_request": again.choices[0].message.content,
@@ -147,18 +150,22 @@ def serve_and_ask(model: str, layout: str, port: int, log_path: str) -> dict:
         proc.wait(timeout=60)
 
 
-CHECKS = ("same_text", "bad_request_is_4xx", "serves_after_bad_request",
-          "serves_after_abort_mid_prefill")
+CHECKS = ("same_text", "sharded_cache_top5_rule", "bad_request_is_4xx",
+          "serves_after_bad_request", "serves_after_abort_mid_prefill")
 
 
 def judge(runs: list[dict]) -> dict:
-    """:data:`CHECKS` over the servers' answers, each held to the first server's text."""
+    """:data:`CHECKS` over the servers' answers, held to the first server's: the same text
+    with a whole KV cache on every rank, vLLM's top-5 rule with a sharded one (DCP
+    merges partial states in another order; None where a run kept no top-5 lists)."""
     ok = bool(runs) and all("error" not in r for r in runs)
     base = runs[0] if ok else {}
+    whole = [r for r in runs if r.get("dcp", 1) == 1]
     diffs = [abs(a - b) for r in runs[1:] if ok
              for a, b in zip(base["token_logprobs"], r["token_logprobs"])]
     return {
-        "same_text": ok and all(r["text"] == base["text"] for r in runs),
+        "same_text": ok and all(r["text"] == base["text"] for r in whole),
+        "sharded_cache_top5_rule": ok and _top5_rule(base, [r for r in runs if r not in whole]),
         "max_abs_logprob_diff": max(diffs, default=None),
         "bad_request_is_4xx": ok and all(400 <= r["bad_request_status"] < 500 for r in runs),
         "serves_after_bad_request": ok and all(r["text_after_bad_request"] == r["text"]
@@ -168,6 +175,23 @@ def judge(runs: list[dict]) -> dict:
             r["clients_hung_up"] == ABORTED_PROMPTS == r["aborted_in_log"]
             and r["text_after_abort"] == r["text"] for r in runs),
     }
+
+
+def _top5_rule(base: dict, runs: list[dict]) -> bool | None:
+    """vLLM's top-5 rule (exactness_lib.compare_outputs) on the chat tokens of ``runs``
+    against ``base``'s; True with no runs, None where one kept no top-5 lists."""
+    from exactness_lib import compare_outputs
+
+    if any("top_logprobs" not in r for r in [base, *runs]):
+        return None
+    ids: dict[str, int] = {}  # the API names tokens by their text; the rule takes ids
+
+    def as_output(r: dict) -> dict:
+        return {"token_ids": [ids.setdefault(t, len(ids)) for t in r["tokens"]],
+                "logprobs": [{str(ids.setdefault(t, len(ids))): lp for t, lp in top.items()}
+                             for top in r["top_logprobs"]]}
+
+    return all(compare_outputs(as_output(r), as_output(base))["passed"] for r in runs)
 
 
 def all_checks_pass(result: dict) -> bool:

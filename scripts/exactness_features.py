@@ -333,6 +333,8 @@ def judge_feature_case(case: dict, result: dict, base: dict) -> dict:
 
 
 _BULLET = re.compile(r"^(?:.*?\] )?\s+(- \S.*)$")
+# pydantic's ValidationError of a VllmConfig puts the refusal on the lines under its own
+_VALUE_ERROR = re.compile(r"^(?:.*?\] )?\s+Value error, (\S.*)$")
 _START = re.compile(re.escape(ENGINE_START_MARK) + r" ([\d.]+)")
 
 
@@ -341,12 +343,13 @@ def error_blocks(log: str) -> list[str]:
     (a refusal that lists several settings), first seen first."""
     blocks, current = [], None
     for line in log.splitlines():
-        found, bullet = error_lines(line, limit=1), _BULLET.match(line)
+        found = error_lines(line, limit=1)
+        under = _BULLET.match(line) or _VALUE_ERROR.match(line)
         if found:
             current = [found[0]]
             blocks.append(current)
-        elif current is not None and bullet:
-            current.append(bullet.group(1))
+        elif current is not None and under:
+            current.append(under.group(1))
         else:
             current = None
     return list(dict.fromkeys("\n".join(b) for b in blocks))
@@ -367,6 +370,15 @@ def refusal_record(log: str, returncode: int, timed_out: bool, process_seconds: 
             "seconds_to_failure": round(ended_at - float(start.group(1)), 1) if start else None,
             "process_seconds": round(process_seconds, 1), "timed_out": timed_out,
             "returncode": returncode}
+
+
+def rejudge_refusal(record: dict, log: str, pattern: str) -> dict:
+    """:func:`refusal_record`'s verdict on a run judged before, from its log: a later
+    revision's reading of the same log (the times and exit status are the run's)."""
+    blocks = error_blocks(log)
+    message = next((b for b in blocks if re.search(pattern, b, re.IGNORECASE)), None)
+    refused = bool(record["returncode"]) and not record["timed_out"] and message is not None
+    return {**record, "refused": refused, "message": message or record["message"]}
 
 
 def refusal_case(model: str, label: str, record: dict,

@@ -11,7 +11,8 @@ import sys
 
 from exactness_features import (PREEMPT_CAPACITY_TOKENS, PREEMPT_MAX_MODEL_LEN,
                                 REFUSAL_TIMEOUT_S, SLIDING_WINDOW_PATTERN,
-                                judge_feature_case, refusal_case, refusal_record)
+                                judge_feature_case, refusal_case, refusal_record,
+                                rejudge_refusal)
 from gpu_runs import RAW_KEYS, check_env, run_worker
 from layouts import CONTEXT_EXCHANGES as FEATURE_EXCHANGES
 from layouts import worker_flags
@@ -171,13 +172,17 @@ def features_compare(args) -> None:
     exactness-pcp.json (meta, summary, cases); refusals are cases named "refusal"."""
     from check_exactness import _load_runs, _meta
 
-    runs, host = _load_runs(args.raw)
+    runs, host = _load_runs(args.raw, getattr(args, "models", ""))
     runs = {key: run for key, run in runs.items()
             if run["returncode"] or "refusal" in run or "feature_results" in run}
     cases = []
     for (model, variant, config), run in sorted(runs.items()):
         if "refusal" in run:
-            cases.append(refusal_case(model, f"{config}, {variant}", run["refusal"]))
+            record = run["refusal"]
+            if run.get("log_tail") and _refusal_pattern(model, config):
+                record = rejudge_refusal(record, run["log_tail"],
+                                         _refusal_pattern(model, config))
+            cases.append(refusal_case(model, f"{config}, {variant}", record))
             continue
         base_config = _feature_baseline(config)
         base = runs.get((model, variant, base_config or ""))

@@ -111,7 +111,7 @@ def teacher(args) -> None:
     differences against the one-GPU scoring, the one-GPU floors, and the goal."""
     from check_exactness import _load_runs, _meta
 
-    runs, host = _load_runs(args.raw)
+    runs, host = _load_runs(args.raw, getattr(args, "models", ""))
     runs = {key: run for key, run in runs.items() if run["returncode"] or "scores" in run}
     rows, floor_rows, pooled = _teacher_rows(runs)
     summary = _teacher_summary(pooled)

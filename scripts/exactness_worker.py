@@ -77,14 +77,18 @@ def run_cases(llm, cases, max_tokens: int = MAX_TOKENS) -> list[dict]:
     return results
 
 
-def given_token_logprobs(prompt_logprobs, token_ids: list[int], start: int) -> list[float]:
+def given_token_logprobs(prompt_logprobs, token_ids: list[int], start: int,
+                         cached: int = 0) -> list[float]:
     """The logprob of each of ``token_ids[start:]`` at its position, from a RequestOutput's
-    ``prompt_logprobs`` (vLLM 0.26.0: position 0 is empty, position i maps ``token_ids[i]``
-    to its Logprob, with ``prompt_logprobs=0`` that token alone; a list of dicts or a
-    FlatLogprobs)."""
-    if len(prompt_logprobs) != len(token_ids):
-        raise ValueError(f"{len(prompt_logprobs)} prompt logprobs for {len(token_ids)} tokens")
-    return [float(prompt_logprobs[i][token_ids[i]].logprob)
+    ``prompt_logprobs`` (vLLM 0.26.0: entry 0 is empty, entry i maps its token to its
+    Logprob, with ``prompt_logprobs=0`` that token alone; a list of dicts or a
+    FlatLogprobs). The V1 runner gives an entry per prompt token; Model Runner V2 none for
+    the ``cached`` tokens of a prefix-cache hit: its entry 0 is then token ``cached``'s."""
+    offset = len(token_ids) - len(prompt_logprobs)
+    if offset not in (0, cached) or (offset and start <= offset):
+        raise ValueError(f"{len(prompt_logprobs)} prompt logprobs for {len(token_ids)} tokens "
+                         f"({cached} cached, scored from {start})")
+    return [float(prompt_logprobs[i - offset][token_ids[i]].logprob)
             for i in range(start, len(token_ids))]
 
 
@@ -137,8 +141,8 @@ def score_cases(llm, cases, continuations: dict[str, dict]) -> list[dict]:
         if any(c > n for c, n in zip(cached, prompt_lens)):
             raise RuntimeError(f"case {case['case']}: cache hits {cached} reach past the prompts")
         results.append({"case": case["case"], "prompt_lens": prompt_lens,
-                        "scores": [given_token_logprobs(o.prompt_logprobs, f, n)
-                                   for o, f, n in zip(outs, full, prompt_lens)],
+                        "scores": [given_token_logprobs(o.prompt_logprobs, f, n, c)
+                                   for o, f, n, c in zip(outs, full, prompt_lens, cached)],
                         "cached_tokens": cached,
                         "seconds": round(time.perf_counter() - start, 3)})
         print(f"case {case['case']}: scored in {results[-1]['seconds']} s", flush=True)
@@ -267,6 +271,10 @@ def main() -> None:
         hf = json.load(f)
     max_model_len = (args.max_model_len
                      or min(hf["max_position_embeddings"], 32768 + 2 * args.max_tokens))
+    if max_model_len > hf["max_position_embeddings"]:  # VLLM_ALLOW_LONG_MAX_MODEL_LEN
+        raise SystemExit(f"--max-model-len {max_model_len}: past the model's "
+                         f"{hf['max_position_embeddings']} positions its rotary table has no "
+                         "rows (vLLM reads past its end: eager engines silently)")
     if args.kv_pool_tokens:
         args.kv_cache_memory_bytes = args.kv_pool_tokens * kv_bytes_per_token(hf)
     has_tokenizer = bool(args.tokenizer) or os.path.exists(

@@ -173,12 +173,12 @@ EOF
     # (MODEL:VARIANT:CONFIG[:CASE GROUPS], PROOF_JOBS overrides): the exactness cases, the
     # feature cases, the teacher-forced measure, and the refusals; on a host with fewer
     # GPUs than a layout's ranks they share them (tests/engine/shared_gpu.py)
-    export VLLM_ALLOW_LONG_MAX_MODEL_LEN=1  # SmolLM2 (8,192 positions) takes the 32K cases
+    # each model at its own max_model_len: SmolLM2's 8,192 positions cap its cases there
     export VLLM_PCP_CHECK_SAMPLED_TOKENS=1  # every PCP rank's sampled tokens held equal
     t=${PROOF_TOKENS:-64} r=qwen2.5-3b-shape s=smollm2 m=qwen2-mqa-1kv e=qwen3-moe-8e
-    proof() { lanes --max-tokens "$t" --max-model-len $((32768 + 2 * t)) "$@"; }
+    proof() { lanes --max-tokens "$t" "$@"; }
     feats() { ex features run --overlap --gpu-memory-utilization 0.05 --kv-cache-gib 2 \
-                --max-tokens "$t" --max-model-len $((32768 + 2 * t)) "$@"; }
+                --max-tokens "$t" "$@"; }
     ex models --out-dir /tmp/pcp-models --layers 4 > "$work/models.log" 2>&1
     ex models --out-dir /tmp/pcp-models-full --layers 1000 --only $r >> "$work/models.log" 2>&1
     f=standard+features

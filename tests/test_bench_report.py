@@ -301,7 +301,7 @@ def test_run_history_lists_every_result_file_with_its_revision_and_date():
 def test_readme_exactness_line_gives_the_result_files_counts():
     readme = _doc("README.md")
     results = os.path.join(ROOT, "tests", "gpu", "results")
-    for name in ("exactness-pcp.json", "exactness-dcp.json", "exactness-dcp-i16.json"):
+    for name in bench_report.EXACTNESS_FILES:
         with open(os.path.join(results, name)) as f:
             summary = json.load(f)["summary"]
         assert f"{summary['passed']} of {summary['cases']}" in readme, name

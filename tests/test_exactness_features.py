@@ -251,6 +251,28 @@ def test_refusal_record_names_the_setting_and_the_seconds_from_engine_start():
     assert not ef.refusal_case("m", "c", vllm, limit_s=30)["passed"]
 
 
+# the plugin's refusal raised while vLLM builds its VllmConfig (a pydantic dataclass), as
+# an H200 run's log shows it
+PYDANTIC_LOG = """exactness-worker engine start at 1000.0
+pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig
+  Value error, vllm-pcp cannot run --prefill-context-parallel-size 2 with:
+  - --kv-cache-dtype fp8: vllm-pcp's DCP runs unquantized KV caches [type=value_error]
+    For further information visit https://errors.pydantic.dev/2.14/v/value_error"""
+
+
+def test_a_refusal_inside_vllms_config_validation_is_read_as_one():
+    record = ef.refusal_record(PYDANTIC_LOG, 1, False, 9.0, 1008.4, r"--kv-cache-dtype fp8")
+    assert record["refused"] and record["seconds_to_failure"] == 8.4
+    assert record["message"].splitlines()[1:] == [
+        "vllm-pcp cannot run --prefill-context-parallel-size 2 with:",
+        "- --kv-cache-dtype fp8: vllm-pcp's DCP runs unquantized KV caches [type=value_error]"]
+    judged_before = {**record, "refused": False, "message": "ValidationError"}
+    again = ef.rejudge_refusal(judged_before, PYDANTIC_LOG, r"--kv-cache-dtype fp8")
+    assert again["refused"] and again["message"] == record["message"]
+    hung = ef.rejudge_refusal({**judged_before, "timed_out": True}, PYDANTIC_LOG, r"fp8")
+    assert not hung["refused"]
+
+
 def test_run_refusal_judges_a_quick_refusal_and_kills_a_hung_worker():
     mark = f"print({ef.ENGINE_START_MARK!r}, __import__('time').time(), flush=True)"
     refuse = f"{mark}; raise NotImplementedError('crashes with sliding-window attention')"
@@ -340,7 +362,10 @@ def test_features_compare_writes_the_schema_of_exactness_pcp(tmp_path):
                                 tokens=0))
     got, pcp = json.load(open(out)), _pcp_result_schema()
     assert set(got) == {"meta", "summary", "cases"}
-    assert set(got["meta"]) == set(pcp["meta"]) and got["meta"]["git_rev"] == "abc"
+    required = {"git_rev", "command", "gpu", "vllm", "flashinfer", "torch", "date"}
+    # the fields of every result's meta (a run adds note, jobs, ranks_shared_gpus)
+    assert required == set(got["meta"]) and required <= set(pcp["meta"])
+    assert got["meta"]["git_rev"] == "abc"
     assert set(pcp["summary"]) - {"noise_floor"} <= set(got["summary"])
     assert all(PCP_CASE_KEYS <= set(c) for c in got["cases"])
     by = {(c["config"], c["case"]): c for c in got["cases"]}

@@ -1,4 +1,5 @@
 """The pass rule and case list of the GPU exactness checks."""
+import json
 import os
 import sys
 
@@ -377,3 +378,46 @@ def test_run_passes_the_case_groups_to_every_worker_and_self_teacher_to_chunked_
     assert unchunked[unchunked.index("--cases") + 1] == "standard,features"
     assert "--teacher" not in unchunked and "--teacher-model" not in unchunked
     assert len(json.load(open(raw))["runs"]) == 2
+
+
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_a_case_leaves_ranks_without_tokens_in_a_chunked_step(ranks):
+    """The exactness cases hold a step whose split chunk is shorter than 2N tokens, so the
+    engine checks see ranks without tokens (their step counts say how often)."""
+    from exactness_worker import VARIANTS
+
+    from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
+
+    chunk = VARIANTS["chunked"]
+    lengths = [len(p) for c in build_cases(33000, 32000) if c["kind"] == "batch"
+               for p in c["prompts"]]
+    tails = [(n - n % chunk, n % chunk) for n in lengths
+             if n > chunk and 2 <= n % chunk < 2 * ranks]
+    assert tails, "no prompt ends in a chunk shorter than 2N tokens"
+    plans = [build_pcp_metadata_all_ranks([c], [t], ranks, min_split_tokens=2,
+                                          prefill_lens=[c + t])[0] for c, t in tails]
+    assert all(p.num_split_requests == 1 for p in plans)
+    assert any(min(p.num_tokens_per_rank) == 0 for p in plans)
+
+
+def test_the_worker_refuses_a_model_length_past_the_models_positions(tmp_path, monkeypatch):
+    import sys as _sys
+
+    import exactness_worker
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    monkeypatch.setattr(_sys, "argv", ["w", "--model", str(tmp_path), "--max-model-len",
+                                       "32832", "--out", str(tmp_path / "o.json")])
+    with pytest.raises(SystemExit, match="past the model's 8192 positions"):
+        exactness_worker.main()
+
+
+def test_result_files_can_take_some_models_runs_only(tmp_path):
+    import check_exactness as ce
+
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"versions": {"gpu": "g"}, "runs": [
+        {"model": m, "variant": "chunked", "config": "pcp2", "returncode": 0}
+        for m in ("a", "b", "c")]}))
+    assert sorted(k[0] for k in ce._load_runs([str(raw)])[0]) == ["a", "b", "c"]
+    assert sorted(k[0] for k in ce._load_runs([str(raw)], "a,c")[0]) == ["a", "c"]

@@ -137,6 +137,26 @@ def test_given_token_logprobs_read_vllms_prompt_logprobs(flat):
         given_token_logprobs(lps, tokens + [1], 2)
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_given_token_logprobs_of_model_runner_v2_after_a_prefix_hit(flat):
+    """Model Runner V2 (one GPU in vLLM 0.26.0) gives no entries for the cached tokens of a
+    prefix-cache hit (seen on an H200: 1540 entries for a 6532-token prompt, 4992 cached):
+    entry 0 stands for token ``cached``, and the scored positions keep their tokens."""
+    from exactness_worker import given_token_logprobs
+
+    tokens = [5, 9, 11, 12, 3, 7]
+    full = _prompt_logprobs(tokens, _score, flat)
+    v2 = _prompt_logprobs(tokens[3:], lambda p, t: _score(p + 3, t), flat)  # 3 cached
+    expected = [_score(p, tokens[p]) for p in (4, 5)]
+    assert given_token_logprobs(full, tokens, 4) == pytest.approx(expected)
+    assert given_token_logprobs(v2, tokens, 4, cached=3) == pytest.approx(expected)
+    for bad in ({"cached": 2}, {"cached": 0}):  # entries that match no cache hit
+        with pytest.raises(ValueError):
+            given_token_logprobs(v2, tokens, 4, **bad)
+    with pytest.raises(ValueError):  # a scored position inside the cached prefix
+        given_token_logprobs(v2, tokens, 3, cached=3)
+
+
 class _FakeLLM:
     """generate() and llm_engine's add_request / step as the worker drives them; each
     request's output carries prompt_logprobs of :func:`_score`."""

@@ -70,17 +70,32 @@ def test_the_run_fails_when_any_check_fails():
     assert not serve_chat.all_checks_pass({})
 
 
-def _answer(text="5", **kw):
-    return {"text": text, "token_logprobs": [-0.5, -0.25], "bad_request_status": 400,
-            "text_after_bad_request": text, "clients_hung_up": serve_chat.ABORTED_PROMPTS,
+def _answer(text="5", dcp=1, tokens=("5",), top=None, **kw):
+    return {"text": text, "dcp": dcp, "token_logprobs": [-0.5, -0.25],
+            "tokens": list(tokens), "top_logprobs": top or [{t: -0.1} for t in tokens],
+            "bad_request_status": 400, "text_after_bad_request": text,
+            "clients_hung_up": serve_chat.ABORTED_PROMPTS,
             "aborted_in_log": serve_chat.ABORTED_PROMPTS, "text_after_abort": text, **kw}
 
 
 def test_every_server_is_held_to_the_first_servers_answer():
     assert serve_chat.LAYOUTS[0] == "pcp1" and "pcp2-dcp2-split-all" in serve_chat.LAYOUTS
-    same = serve_chat.judge([_answer(), _answer(token_logprobs=[-0.5, -0.125]), _answer()])
+    same = serve_chat.judge([_answer(), _answer(token_logprobs=[-0.5, -0.125]),
+                             _answer(dcp=2)])
     assert serve_chat.all_checks_pass(same) and same["max_abs_logprob_diff"] == 0.125
-    assert serve_chat.judge([_answer(), _answer(), _answer("6")])["same_text"] is False
+    assert serve_chat.judge([_answer(), _answer("6"), _answer()])["same_text"] is False
     late = serve_chat.judge([_answer(), _answer(text_after_abort="x"), _answer()])
     assert late["serves_after_abort_mid_prefill"] is False
     assert not serve_chat.all_checks_pass(serve_chat.judge([_answer(), {"error": "x"}]))
+
+
+def test_a_sharded_cache_is_held_to_the_top5_rule_not_the_text():
+    base = _answer("a b", tokens=("a", "b"), top=[{"a": -0.1}, {"b": -0.2, "c": -0.3}])
+    near_tie = _answer("a c", dcp=2, tokens=("a", "c"), top=[{"a": -0.1}, {"c": -0.2, "b": -0.21}])
+    far = _answer("a d", dcp=2, tokens=("a", "d"), top=[{"a": -0.1}, {"d": -0.2}])
+    tie = serve_chat.judge([base, near_tie])
+    assert tie["same_text"] and tie["sharded_cache_top5_rule"] is True
+    assert serve_chat.judge([base, far])["sharded_cache_top5_rule"] is False
+    unrecorded = {k: v for k, v in near_tie.items() if k != "top_logprobs"}
+    assert serve_chat.judge([base, unrecorded])["sharded_cache_top5_rule"] is None
+    assert serve_chat.judge([base, _answer("b a")])["same_text"] is False  # dcp 1: the text
