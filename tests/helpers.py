@@ -1,5 +1,5 @@
-"""Test helpers: a thread-backed process group for N ranks in one process, and a real
-VllmConfig of a small model."""
+"""Test helpers: a thread-backed process group for N ranks in one process, a real
+VllmConfig of a small model, and vLLM's FlashInfer plan of a split step's local rows."""
 from __future__ import annotations
 
 import threading
@@ -101,3 +101,53 @@ def vllm_config_of(model_dir, monkeypatch, parallel: dict, runner: str = "auto",
                                  dtype="bfloat16", runner=runner),
         device_config=DeviceConfig(device="cuda"),
         parallel_config=ParallelConfig(**parallel), **vllm_kwargs)
+
+
+class _RecordingPrefillWrapper:
+    """Stands in for FlashInfer's BatchPrefillWithPagedKVCacheWrapper: keeps ``plan``'s
+    arguments."""
+
+    plans: list = []
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def plan(self, **kwargs):
+        self.plans.append(kwargs)
+
+
+class _NoKernel:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def plan_split_rows(builder, monkeypatch, rank: int):
+    """vLLM's FlashInfer builder ``builder`` on rank ``rank``'s local rows of a 64-token
+    prompt split over 2 ranks, FlashInfer's kernels replaced by recorders: the rank's PCP
+    plan, the built metadata, and the arguments of the prefill wrapper's ``plan``."""
+    import vllm.v1.attention.backends.flashinfer as flashinfer
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
+
+    monkeypatch.setattr(flashinfer, "BatchPrefillWithPagedKVCacheWrapper",
+                        _RecordingPrefillWrapper)
+    monkeypatch.setattr(flashinfer, "_copy_page_indices_kernel", _NoKernel())
+    monkeypatch.setattr(flashinfer, "use_trtllm_attention", lambda *a, **k: False)
+    monkeypatch.setattr(_RecordingPrefillWrapper, "plans", [])
+    plan = build_pcp_metadata_all_ranks([0], [64], 2, min_split_tokens=2)[rank]
+    q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
+    cm = CommonAttentionMetadata(
+        query_start_loc=plan.query_start_loc, query_start_loc_cpu=plan.query_start_loc,
+        seq_lens=plan.seq_lens, _seq_lens_cpu=plan.seq_lens,
+        _num_computed_tokens_cpu=plan.seq_lens - q_lens,
+        seq_lens_cpu_upper_bound=plan.seq_lens, num_reqs=plan.num_rows,
+        num_actual_tokens=plan.num_local_tokens, max_query_len=plan.max_query_len,
+        max_seq_len=int(plan.seq_lens.max()), causal=True,
+        block_table_tensor=torch.arange(4, dtype=torch.int32).repeat(plan.num_rows, 1),
+        slot_mapping=torch.zeros(plan.num_local_tokens, dtype=torch.int64))
+    with set_current_vllm_config(builder.vllm_config):
+        metadata = builder.build(common_prefix_len=0, common_attn_metadata=cm)
+    [planned] = _RecordingPrefillWrapper.plans
+    return plan, metadata, planned

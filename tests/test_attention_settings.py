@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import plan_split_rows
 from test_config import _config, _refusal
 from vllm_pcp.config import PCPConfigError, prepare_pcp_config
 
@@ -259,52 +260,10 @@ def test_dcp_refuses_layers_of_different_scales_in_one_group(make_builder):
     make_builder([dict(scale=0.125), dict(scale=0.25)])  # -pcp alone: vLLM's to check
 
 
-class _RecordingPrefillWrapper:
-    """Stands in for FlashInfer's BatchPrefillWithPagedKVCacheWrapper: keeps ``plan``'s
-    arguments."""
-
-    plans: list = []
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def plan(self, **kwargs):
-        self.plans.append(kwargs)
-
-
 def test_split_rows_plan_the_layers_soft_cap_and_scale(make_builder, monkeypatch):
     """At DCP = 1 a split step's local rows are planned by vLLM's builder, which carries
     the layers' ``logits_soft_cap`` and softmax scale into FlashInfer's plan."""
-    import vllm.v1.attention.backends.flashinfer as flashinfer
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
-
     builder = make_builder([dict(scale=0.3, logits_soft_cap=30.0)] * 2)
-    monkeypatch.setattr(flashinfer, "BatchPrefillWithPagedKVCacheWrapper",
-                        _RecordingPrefillWrapper)
-    monkeypatch.setattr(flashinfer, "_copy_page_indices_kernel", _NoKernel())
-    monkeypatch.setattr(flashinfer, "use_trtllm_attention", lambda *a, **k: False)
-    monkeypatch.setattr(_RecordingPrefillWrapper, "plans", [])
-    plan = build_pcp_metadata_all_ranks([0], [64], 2, min_split_tokens=2)[0]
-    q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
-    cm = CommonAttentionMetadata(
-        query_start_loc=plan.query_start_loc, query_start_loc_cpu=plan.query_start_loc,
-        seq_lens=plan.seq_lens, _seq_lens_cpu=plan.seq_lens,
-        _num_computed_tokens_cpu=plan.seq_lens - q_lens,
-        seq_lens_cpu_upper_bound=plan.seq_lens, num_reqs=plan.num_rows,
-        num_actual_tokens=plan.num_local_tokens, max_query_len=plan.max_query_len,
-        max_seq_len=int(plan.seq_lens.max()), causal=True,
-        block_table_tensor=torch.arange(4, dtype=torch.int32).repeat(plan.num_rows, 1),
-        slot_mapping=torch.zeros(plan.num_local_tokens, dtype=torch.int64))
-    with set_current_vllm_config(builder.vllm_config):
-        builder.build(common_prefix_len=0, common_attn_metadata=cm)
-    [planned] = _RecordingPrefillWrapper.plans
+    _, _, planned = plan_split_rows(builder, monkeypatch, rank=0)
     assert (planned["logits_soft_cap"], planned["sm_scale"], planned["window_left"],
             planned["causal"]) == (30.0, 0.3, -1, True)
-
-
-class _NoKernel:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None

@@ -7,11 +7,11 @@ absolute position) is the one-GPU window. On SM90 vLLM's FlashInfer builder refu
 sliding-window layers at engine start, whatever the plugin does.
 """
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from helpers import plan_split_rows
 from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
 
 WINDOW = 16  # tokens: FlashInfer's window_left is WINDOW - 1
@@ -126,52 +126,12 @@ def test_sm90_refuses_sliding_window_layers(sliding_window_builder):
         sliding_window_builder(sm90=True)
 
 
-class _RecordingPrefillWrapper:
-    """Stands in for FlashInfer's BatchPrefillWithPagedKVCacheWrapper: keeps ``plan``'s
-    arguments."""
-
-    plans: list = []
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def plan(self, **kwargs):
-        self.plans.append(kwargs)
-
-
-class _NoKernel:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def test_split_rows_plan_the_window_elsewhere(sliding_window_builder, monkeypatch):
     """Off SM90 the split step's stock plan carries window_left = WINDOW - 1 over the
     local rows (causal), whose KV lengths are their chunks' absolute ends."""
-    import vllm.v1.attention.backends.flashinfer as flashinfer
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
     builder = sliding_window_builder(sm90=False)
     assert (builder.window_left, builder.global_hyperparameters.window_left) == (15, 15)
-    monkeypatch.setattr(flashinfer, "BatchPrefillWithPagedKVCacheWrapper",
-                        _RecordingPrefillWrapper)
-    monkeypatch.setattr(flashinfer, "_copy_page_indices_kernel", _NoKernel())
-    monkeypatch.setattr(flashinfer, "use_trtllm_attention", lambda *a, **k: False)
-    monkeypatch.setattr(_RecordingPrefillWrapper, "plans", [])
-    plan = build_pcp_metadata_all_ranks([0], [64], 2, min_split_tokens=2)[1]
-    q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
-    cm = CommonAttentionMetadata(
-        query_start_loc=plan.query_start_loc, query_start_loc_cpu=plan.query_start_loc,
-        seq_lens=plan.seq_lens, _seq_lens_cpu=plan.seq_lens,
-        _num_computed_tokens_cpu=plan.seq_lens - q_lens,
-        seq_lens_cpu_upper_bound=plan.seq_lens, num_reqs=plan.num_rows,
-        num_actual_tokens=plan.num_local_tokens, max_query_len=plan.max_query_len,
-        max_seq_len=int(plan.seq_lens.max()), causal=True,
-        block_table_tensor=torch.arange(4, dtype=torch.int32).repeat(plan.num_rows, 1),
-        slot_mapping=torch.zeros(plan.num_local_tokens, dtype=torch.int64))
-    with set_current_vllm_config(builder.vllm_config):
-        metadata = builder.build(common_prefix_len=0, common_attn_metadata=cm)
-    [planned] = _RecordingPrefillWrapper.plans
+    plan, _, planned = plan_split_rows(builder, monkeypatch, rank=1)
     assert (planned["window_left"], planned["causal"]) == (WINDOW - 1, True)
     # rank 1 of 2 holds chunks 1 and 2 of 4: 16 queries each, ending at 32 and 48
     assert planned["qo_indptr"].tolist() == [0, 16, 32]
