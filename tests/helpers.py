@@ -1,5 +1,6 @@
 """Test helpers: a thread-backed process group for N ranks in one process, a real
-VllmConfig of a small model, and vLLM's FlashInfer plan of a split step's local rows."""
+VllmConfig of a small model, vLLM's FlashInfer builder on the CPU (its layers and the
+plan of a split step's local rows)."""
 from __future__ import annotations
 
 import threading
@@ -151,3 +152,24 @@ def plan_split_rows(builder, monkeypatch, rank: int):
         metadata = builder.build(common_prefix_len=0, common_attn_metadata=cm)
     [planned] = _RecordingPrefillWrapper.plans
     return plan, metadata, planned
+
+
+def attention_layer(impl):
+    """An attention layer holding ``impl``, as vLLM's static forward context holds it."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layer_cls = type("Layer", (AttentionLayerBase,), dict(
+        __init__=lambda self, impl: setattr(self, "impl", impl),
+        get_attn_backend=lambda self: None, get_kv_cache_spec=lambda self, c: None))
+    return layer_cls(impl)
+
+
+def flashinfer_on_cpu(monkeypatch, sm90: bool = False) -> None:
+    """vLLM's FlashInfer backend as its builder sees a GPU shown as SM90 or not, on the
+    CPU: no trtllm-gen kernels, no pinned memory."""
+    import vllm.v1.attention.backends.flashinfer as flashinfer
+
+    monkeypatch.setattr(flashinfer, "can_use_trtllm_attention", lambda *a, **k: False)
+    monkeypatch.setattr(flashinfer, "PIN_MEMORY", False)
+    monkeypatch.setattr(flashinfer.current_platform, "is_device_capability",
+                        lambda capability: sm90 and capability == 90)

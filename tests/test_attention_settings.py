@@ -196,13 +196,6 @@ def test_non_decoder_layers_are_refused_by_vllm(make_impl):
 
 # -- per KV cache group: the builder --------------------------------------------------------
 
-class _Layer:
-    """An attention layer as vLLM's static forward context holds it."""
-
-    def __init__(self, impl):
-        self.impl = impl
-
-
 @pytest.fixture
 def make_builder(tmp_path, monkeypatch):
     """``make(layers, dcp=1)``: the plugin's FlashInfer builder of a real ``-pcp 2``
@@ -211,18 +204,12 @@ def make_builder(tmp_path, monkeypatch):
     import vllm.distributed.parallel_state as parallel_state
     import vllm.v1.attention.backends.flashinfer as flashinfer
     from vllm.config import AttentionConfig, set_current_vllm_config
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from helpers import real_vllm_config
+    from helpers import attention_layer, flashinfer_on_cpu, real_vllm_config
     from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder
 
-    monkeypatch.setattr(flashinfer, "can_use_trtllm_attention", lambda *a, **k: False)
-    monkeypatch.setattr(flashinfer, "PIN_MEMORY", False)
-    monkeypatch.setattr(flashinfer.current_platform, "is_device_capability",
-                        lambda capability: False)
-    layer_cls = type("Layer", (_Layer, AttentionLayerBase), dict(
-        get_attn_backend=lambda self: None, get_kv_cache_spec=lambda self, c: None))
+    flashinfer_on_cpu(monkeypatch)
 
     def make(layers, dcp=1):
         group = lambda: SimpleNamespace(world_size=dcp, rank_in_group=0)  # noqa: E731
@@ -239,7 +226,7 @@ def make_builder(tmp_path, monkeypatch):
                 kwargs = {"scale": 0.125, **kwargs}
                 impl = PCPFlashInferImpl(8, 64, kwargs.pop("scale"), 2, None, None, "auto",
                                          **kwargs)
-                config.compilation_config.static_forward_context[name] = layer_cls(impl)
+                config.compilation_config.static_forward_context[name] = attention_layer(impl)
             return PCPFlashInferMetadataBuilder(spec, names, config, torch.device("cpu"))
 
     return make

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from helpers import plan_split_rows
+from helpers import attention_layer, flashinfer_on_cpu, plan_split_rows
 from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
 
 WINDOW = 16  # tokens: FlashInfer's window_left is WINDOW - 1
@@ -67,30 +67,19 @@ def test_split_rows_see_the_one_gpu_window(world):
     assert (restored[:scheduled[0]] - full).abs().max() > 1e-2
 
 
-class _Layer:
-    """An attention layer as vLLM's static forward context holds it."""
-
-    def __init__(self, impl):
-        self.impl = impl
-
-
 @pytest.fixture
 def sliding_window_builder(tmp_path, monkeypatch):
     """``make(sm90)``: the plugin's FlashInfer builder of a real ``-pcp 2`` config
     whose one layer has a 16-token window, on a GPU shown as SM90 or not."""
     import vllm.config.vllm as vllm_config_module
-    import vllm.v1.attention.backends.flashinfer as flashinfer
     from transformers import Qwen2Config
     from vllm.config import (AttentionConfig, DeviceConfig, ModelConfig, ParallelConfig,
                              VllmConfig, set_current_vllm_config)
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder
 
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
-    monkeypatch.setattr(flashinfer, "can_use_trtllm_attention", lambda *a, **k: False)
-    monkeypatch.setattr(flashinfer, "PIN_MEMORY", False)
     Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                 num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
                 max_position_embeddings=4096, use_sliding_window=True,
@@ -103,15 +92,12 @@ def sliding_window_builder(tmp_path, monkeypatch):
         attention_config=AttentionConfig(backend="FLASHINFER"))
     spec = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8,
                              dtype=torch.bfloat16, sliding_window=WINDOW)
-    layer = type("Layer", (_Layer, AttentionLayerBase), dict(
-        get_attn_backend=lambda self: None, get_kv_cache_spec=lambda self, c: None))
-
     def make(sm90: bool):
-        monkeypatch.setattr(flashinfer.current_platform, "is_device_capability",
-                            lambda capability: sm90 and capability == 90)
+        flashinfer_on_cpu(monkeypatch, sm90)
         with set_current_vllm_config(config):
             impl = PCPFlashInferImpl(8, 8, 0.125, 2, None, WINDOW, "auto")
-            config.compilation_config.static_forward_context["layers.0.attn"] = layer(impl)
+            config.compilation_config.static_forward_context["layers.0.attn"] = \
+                attention_layer(impl)
             return PCPFlashInferMetadataBuilder(spec, ["layers.0.attn"], config,
                                                 torch.device("cpu"))
 

@@ -137,28 +137,17 @@ def real_runner(make_config, unpinned, monkeypatch):
         return gmr.GPUModelRunner(config, torch.device("cpu"))
 
 
-class _Layer:
-    def __init__(self, impl):
-        self.impl = impl
-
-
 @pytest.fixture
 def make_builder(make_config, monkeypatch):
     """``make(cls, sliding_window=None, **parallel)``: a real FlashInfer metadata
     builder (and its layer's impl) of one layer, on the CPU, off SM90."""
-    import vllm.v1.attention.backends.flashinfer as flashinfer
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+    from helpers import attention_layer, flashinfer_on_cpu
     from vllm_pcp.backend import PCPFlashInferImpl
 
-    monkeypatch.setattr(flashinfer, "can_use_trtllm_attention", lambda *a, **k: False)
-    monkeypatch.setattr(flashinfer, "PIN_MEMORY", False)
-    monkeypatch.setattr(flashinfer.current_platform, "is_device_capability",
-                        lambda capability: False)
-    layer_cls = type("Layer", (_Layer, AttentionLayerBase), dict(
-        get_attn_backend=lambda self: None, get_kv_cache_spec=lambda self, c: None))
+    flashinfer_on_cpu(monkeypatch)
 
     def make(cls, sliding_window=None, **parallel):
         config = make_config(**parallel)
@@ -167,7 +156,7 @@ def make_builder(make_config, monkeypatch):
         with set_current_vllm_config(config):
             impl = PCPFlashInferImpl(8, 64, 0.125, 2, None, sliding_window, "auto")
             config.compilation_config.static_forward_context["layers.0.attn"] = \
-                layer_cls(impl)
+                attention_layer(impl)
             builder = cls(spec, ["layers.0.attn"], config, torch.device("cpu"))
         return builder, impl, config
 
