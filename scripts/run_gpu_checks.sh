@@ -22,7 +22,8 @@
 #              forced context exchanges, preemption, fp8 and the refusals (fp8 with -dcp,
 #              sliding windows); models from /tmp/pcp-models (4 layers), the 36-layer
 #              Qwen2.5-3B shape (tp4-pcp2-dcp2-i8) and SmolLM2; PROOF_BASE_JOBS and
-#              PROOF_JOBS override the engines, PROOF_LANES (5) how many run at once. On a
+#              PROOF_JOBS override the engines, PROOF_LANES (5) how many run at once,
+#              PROOF_BASE_RAW takes the baselines from an earlier run's raw-base.json. On a
 #              host with fewer GPUs than a layout's ranks they share them
 #              (tests/engine/shared_gpu.py; outputs only, never speed).
 #              OUT_DIR/exactness-pcp.json, exactness-dcp.json, exactness-features.json,
@@ -36,7 +37,8 @@
 #              mid-prefill), and gsm8k through lm-eval at -pcp 1, -pcp 2, -pcp 2 -dcp 2
 #              and -tp 2 -pcp 2, every prompt split (MODEL_GSM8K; DATA_GSM8K; LIMIT=N:
 #              the first N questions), servers side by side; GSM8K_CONFIGS picks some
-#              ("pcp2-dcp2"; empty: chat and abort check only)
+#              ("pcp2-dcp2"; empty: chat and abort check only); SERVE_CHAT=0: gsm8k only;
+#              GSM8K_KV_GIB (4) each rank's KV cache
 #   bench-serve  vllm bench serve at concurrency 4 and 16 against one server at a time
 #              (SERVE_CONFIGS, default "pcp1 pcp2 pcp2-dcp2 tp2", any layout: e.g.
 #              pcp2-dcp2-queries and pcp2-dcp2-keys; INPUT_LEN 16384, PROMPTS
@@ -185,13 +187,17 @@ EOF
     base=$r:chunked:pcp1-v1:$f,$r:unchunked:pcp1-v1:$f,$s:chunked:pcp1-v1:$f
     base+=,$s:unchunked:pcp1-v1,$m:chunked:pcp1-v1,$e:chunked:pcp1-v1:$f
     base+=,$r-full:chunked:pcp1-v1
-    proof --lanes 1 --one-gpu-lanes 8 --jobs "${PROOF_BASE_JOBS:-$base}" --teacher self \
-      --raw "$work/raw-base.json" > "$work/base.log" 2>&1 &
+    # the feature baselines are read only by the comparison: they run beside both phases
     feats --lanes 1 --one-gpu-lanes 2 --models $r --variants chunked \
       --configs "${PROOF_FEATURE_BASE:-pcp1-v1-fp8,pcp1-v1-preempt}" \
       --raw "$work/raw-features-base.json" \
       > "$work/features-base.log" 2>&1 &
-    wait
+    if [ -n "${PROOF_BASE_RAW:-}" ]; then  # baselines of an earlier run, same versions
+      cp "$PROOF_BASE_RAW" "$work/raw-base.json"
+    else
+      proof --lanes 1 --one-gpu-lanes 8 --jobs "${PROOF_BASE_JOBS:-$base}" --teacher self \
+        --raw "$work/raw-base.json" > "$work/base.log" 2>&1
+    fi
     jobs=$r:chunked:pcp2:$f,$s:chunked:pcp2:$f,$r:chunked:pcp2-dcp2-i8:$f,$r:chunked:pcp4:$f
     jobs+=,$r:chunked:tp2-pcp2,$r:chunked:tp2-pcp2-dcp2-i1,$r-full:chunked:tp4-pcp2-dcp2-i8
     jobs+=,$r:chunked:pcp4-dcp4-i8,$r:chunked:pcp8,$e:chunked:pcp2:$f
@@ -269,15 +275,19 @@ EOF
     exit "$rc" ;;
   serve)
     share_gpus
-    python3 "$here/check_serve_chat.py" --model "${MODELS_REAL:-/tmp/models/smollm2-135m}" \
-      --git-rev "${GIT_REV:-unknown}" --out "$work/serve-chat-pcp.json" --log-dir "$work" &
-    chat=$!
+    chat=  # SERVE_CHAT=0: gsm8k only
+    if [ "${SERVE_CHAT:-1}" != 0 ]; then
+      python3 "$here/check_serve_chat.py" --model "${MODELS_REAL:-/tmp/models/smollm2-135m}" \
+        --git-rev "${GIT_REV:-unknown}" --out "$work/serve-chat-pcp.json" --log-dir "$work" &
+      chat=$!
+    fi
     gsm8k() {  # NAME PORT LAYOUT: lm-eval against a server of LAYOUT
       local name=$1 port=$2 layout
       layout_flags layout "$3" || return
       PORT=$port "$here/eval_gsm8k.sh" "${MODEL_GSM8K:-/tmp/models/qwen2.5-coder-0.5b}" \
         "$DATA_GSM8K" "$work/gsm8k-$name.json" --gpu-memory-utilization 0.05 \
-        --kv-cache-memory-bytes $((4 << 30)) --no-enable-flashinfer-autotune "${layout[@]}" \
+        --kv-cache-memory-bytes $((${GSM8K_KV_GIB:-4} << 30)) --no-enable-flashinfer-autotune \
+        "${layout[@]}" \
         > "$work/gsm8k-$name.log" 2>&1
     }
     # PCP runs split every prompt (the default keeps gsm8k's short prompts whole)
@@ -289,7 +299,8 @@ EOF
         tp2-pcp2) gsm8k tp2-pcp2 8204 tp2-pcp2-split-all & ;;
       esac
     done
-    wait "$chat"; rc=$?  # the stage fails when the chat or abort check does
+    rc=0
+    [ -n "$chat" ] && { wait "$chat"; rc=$?; }  # the stage fails when the chat or abort check does
     wait
     for log in "$work"/gsm8k-*.log; do [ -e "$log" ] && tail -n 3 "$log"; done
     exit "$rc" ;;
