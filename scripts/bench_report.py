@@ -239,22 +239,23 @@ EXACTNESS_FILES = ("exactness-pcp.json", "exactness-dcp.json")
 
 
 def exactness_table(doc: dict) -> str:
-    """A markdown table of a check_exactness.py result file: per comparison (its cases, then
-    the one-GPU noise floor's), how many cases pass vLLM's top-5 rule, how many have no
-    divergence at all, and the widest margin of the baseline's own token at a divergence."""
-    groups: dict[tuple[str, str], list[dict]] = {}
+    """A markdown table of a check_exactness.py result file: per comparison and model (its
+    cases, then the one-GPU noise floor's), how many cases pass vLLM's top-5 rule, how many
+    have no divergence at all, and the widest margin of the baseline's own token at a
+    divergence."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
     for kind, key in (("plugin", "cases"), ("noise floor", "noise_floor_cases")):
         for case in doc.get(key, []):
-            groups.setdefault((kind, case["config"]), []).append(case)
+            groups.setdefault((kind, case["config"], case["model"]), []).append(case)
     rows = []
-    for (kind, config), cases in groups.items():
+    for (kind, config, model), cases in groups.items():
         margins = [c["max_baseline_margin"] for c in cases if "max_baseline_margin" in c]
-        rows.append([config, kind, str(len({c["model"] for c in cases})), str(len(cases)),
+        rows.append([config, model, kind, str(len(cases)),
                      str(sum(c["passed"] for c in cases)),
                      str(sum(c["first_divergence"] is None for c in cases)),
                      f"{max(margins):.4g}" if margins else "-"])
-    return _table(rows, ["comparison", "kind", "models", "cases", "pass", "no divergence",
-                         "widest margin"], text_columns=2)
+    return _table(rows, ["comparison", "model", "kind", "cases", "pass", "no divergence",
+                         "widest margin"], text_columns=3)
 
 
 def features_table(doc: dict) -> str:

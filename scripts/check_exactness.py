@@ -186,7 +186,7 @@ def run(args, run_one=None) -> None:
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    raw = {"versions": versions(), "runs": []}
+    raw = {"versions": versions(), "git_rev": os.environ.get("GIT_REV"), "runs": []}
     tmp = f"/tmp/exactness-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     jobs = _jobs(args)
@@ -222,11 +222,31 @@ def _truncate(output: dict, tokens: int) -> dict:
     return {"token_ids": output["token_ids"][:tokens], "logprobs": output["logprobs"][:tokens]}
 
 
-def _compare_run(model: str, label: str, run: dict, base: dict, tokens: int) -> list[dict]:
-    """One case per result of ``run`` against the same case of ``base``."""
+def comparable(res: dict, base_cases: dict) -> str | None:
+    """Why the result ``res`` cannot be held to ``base_cases`` (by case name), None if it
+    can: the baseline did not run the case, or ran it on other prompts (an earlier run's
+    baseline at another ``max_model_len``)."""
+    base = base_cases.get(res["case"])
+    if base is None:
+        return "the baseline did not run this case"
+    if base["prompt_lens"] != res["prompt_lens"]:
+        return f"the baseline ran prompts of {base['prompt_lens']} tokens"
+    return None
+
+
+def _compare_run(model: str, label: str, run: dict, base: dict, tokens: int,
+                 not_compared: list | None = None) -> list[dict]:
+    """One case per result of ``run`` against the same case of ``base``; a case that
+    :func:`comparable` rejects goes to ``not_compared`` instead."""
     cases = []
     base_cases = {c["case"]: c for c in base["results"]}
     for res in run["results"]:
+        reason = comparable(res, base_cases)
+        if reason:
+            if not_compared is not None:
+                not_compared.append({"model": model, "config": label, "case": res["case"],
+                                     "prompt_lens": res["prompt_lens"], "reason": reason})
+            continue
         pairs = zip(res["outputs"], base_cases[res["case"]]["outputs"])
         if tokens:
             pairs = [(_truncate(a, tokens), _truncate(b, tokens)) for a, b in pairs]
@@ -247,8 +267,8 @@ def _compare_run(model: str, label: str, run: dict, base: dict, tokens: int) -> 
 
 def _load_runs(paths: list[str], models: str = "") -> tuple[dict, dict]:
     """The runs of raw files by (model, variant, config), a later file's replacing an
-    earlier one's, and the versions of the last file; ``models`` (comma-separated): only
-    theirs."""
+    earlier one's, each with its file's ``git_rev``, and the versions of the last file;
+    ``models`` (comma-separated): only theirs."""
     runs, host, only = {}, {}, set(filter(None, models.split(",")))
     for path in paths:
         with open(path) as f:
@@ -256,8 +276,19 @@ def _load_runs(paths: list[str], models: str = "") -> tuple[dict, dict]:
         host = data["versions"]
         for run in data["runs"]:
             if not only or run["model"] in only:
-                runs[(run["model"], run["variant"], run["config"])] = run
+                runs[(run["model"], run["variant"], run["config"])] = {
+                    **run, "git_rev": data.get("git_rev")}
     return runs, host
+
+
+def runs_by_git_rev(runs: dict) -> dict | None:
+    """``{git_rev: ["model:variant:config", ...]}`` where the runs come from raw files of
+    more than one revision, else None."""
+    by_rev: dict[str, list] = {}
+    for (model, variant, config), run in sorted(runs.items()):
+        by_rev.setdefault(run.get("git_rev") or "unknown", []).append(
+            f"{model}:{variant}:{config}")
+    return by_rev if len(by_rev) > 1 else None
 
 
 def _meta(args, host: dict, runs: dict | None = None) -> dict:
@@ -269,6 +300,9 @@ def _meta(args, host: dict, runs: dict | None = None) -> dict:
     shared = shared_gpus(runs or {})
     if shared:
         meta["ranks_shared_gpus"] = shared
+    by_rev = runs_by_git_rev(runs or {})
+    if by_rev:
+        meta["runs_by_git_rev"] = by_rev
     if args.note:
         meta["note"] = args.note
     return meta
@@ -289,7 +323,7 @@ def shared_gpus(runs: dict) -> dict | None:
 def compare(args) -> None:
     runs, host = _load_runs(args.raw, getattr(args, "models", ""))
     runs = {key: run for key, run in runs.items() if run["returncode"] or "results" in run}
-    cases = []
+    cases, not_compared = [], []
     for (model, variant, config), run in sorted(runs.items()):
         base = runs.get((model, variant, BASELINE.get(config, "")))
         if base is None or not _in_layouts(config, getattr(args, "layouts", "all")):
@@ -303,7 +337,7 @@ def compare(args) -> None:
                           "errors": failed.get("errors", []),
                           "error": failed.get("log_tail", "")[-1500:]})
             continue
-        cases += _compare_run(model, label, run, base, args.tokens)
+        cases += _compare_run(model, label, run, base, args.tokens, not_compared)
     meta = _meta(args, host, runs)
     if args.tokens:
         meta["compared_tokens"] = args.tokens
@@ -314,9 +348,13 @@ def compare(args) -> None:
     floor = _noise_floor(runs, args.tokens)
     if floor:
         summary["noise_floor"] = _summarize(floor)
+    if not_compared:
+        summary["not_compared"] = len(not_compared)
     result = {"meta": meta, "summary": summary, "cases": cases}
     if floor:
         result["noise_floor_cases"] = floor
+    if not_compared:
+        result["not_compared"] = not_compared
     bench_runs = []
     if args.bench_raw:
         with open(args.bench_raw) as f:

@@ -24,7 +24,8 @@ def feature_configs() -> dict:
     return {
         **{f"pcp2-dcp2-i{i}-{way}": worker_flags(f"pcp2-dcp2-i{i}-{way}")
            for i in (1, 16) for way in FEATURE_EXCHANGES},
-        # -pcp 2 -dcp 2 with fp8 must be refused (the plugin's DCP runs unquantized caches)
+        # fp8 must be refused under -pcp (a same-step prefix hit measured off one GPU's
+        # tokens) and -dcp (the plugin's DCP runs unquantized caches)
         **{f"{name}-fp8": [*worker_flags(name), "--kv-cache-dtype", "fp8"]
            for name in ("pcp1-v1", "pcp2", "pcp4", "pcp2-dcp2-i1")},
         # the same scheduler pool of PREEMPT_CAPACITY_TOKENS everywhere: a DCP rank holds
@@ -43,7 +44,8 @@ FEATURE_DEFAULT_CONFIGS = ",".join(
 # What must stop at start-up, by model (every configuration) or by configuration, and a
 # regular expression the error must match
 FEATURE_REFUSED_MODELS = {"mistral-swa512": SLIDING_WINDOW_PATTERN}
-FEATURE_REFUSED_CONFIGS = {"pcp2-dcp2-i1-fp8": r"--kv-cache-dtype fp8"}
+FEATURE_REFUSED_CONFIGS = {name: r"--kv-cache-dtype fp8"
+                           for name in ("pcp2-fp8", "pcp4-fp8", "pcp2-dcp2-i1-fp8")}
 
 
 def _feature_group(config: str) -> str:
@@ -127,10 +129,12 @@ def _run_refusal(cmd: list[str], entry: dict, env: dict, pattern: str,
             "log_tail": log[-6000:]}
 
 
-def _feature_cases(model: str, label: str, run: dict, base: dict, tokens: int) -> list[dict]:
+def _feature_cases(model: str, label: str, run: dict, base: dict, tokens: int,
+                   not_compared: list | None = None) -> list[dict]:
     """The cases of ``run`` against ``base``: vLLM's top-k rule, then each kind's own
-    (:func:`exactness_features.judge_feature_case`); an engine that failed is one case."""
-    from check_exactness import _compare_run
+    (:func:`exactness_features.judge_feature_case`); an engine that failed is one case;
+    one the baseline did not run on the same prompts goes to ``not_compared``."""
+    from check_exactness import _compare_run, comparable
 
     if run["returncode"] or base["returncode"]:
         failed = run if run["returncode"] else base
@@ -139,16 +143,17 @@ def _feature_cases(model: str, label: str, run: dict, base: dict, tokens: int) -
                  "errors": failed.get("errors", []),
                  "error": failed.get("log_tail", "")[-1500:]}]
     base_results = {res["case"]: res for res in base["feature_results"]}
-    shared = [res for res in run["feature_results"] if res["case"] in base_results]
+    shared = [res for res in run["feature_results"] if not comparable(res, base_results)]
     cases = _compare_run(model, label, {**run, "results": shared},
                          {**base, "results": base["feature_results"]}, tokens)
     cases = [judge_feature_case(case, res, base_results[res["case"]])
              for case, res in zip(cases, shared)]
-    return cases + [{"model": model, "config": label, "case": res["case"],
-                     "prompt_lens": res["prompt_lens"], "first_divergence": None,
-                     "max_abs_logprob_diff": None, "passed": False,
-                     "error": "the baseline did not run this case"}
-                    for res in run["feature_results"] if res["case"] not in base_results]
+    if not_compared is not None:
+        not_compared += [{"model": model, "config": label, "case": res["case"],
+                          "prompt_lens": res["prompt_lens"],
+                          "reason": comparable(res, base_results)}
+                         for res in run["feature_results"] if comparable(res, base_results)]
+    return cases
 
 
 def _feature_summary(cases: list[dict]) -> dict:
@@ -175,7 +180,7 @@ def features_compare(args) -> None:
     runs, host = _load_runs(args.raw, getattr(args, "models", ""))
     runs = {key: run for key, run in runs.items()
             if run["returncode"] or "refusal" in run or "feature_results" in run}
-    cases = []
+    cases, not_compared = [], []
     for (model, variant, config), run in sorted(runs.items()):
         if "refusal" in run:
             record = run["refusal"]
@@ -188,13 +193,17 @@ def features_compare(args) -> None:
         base = runs.get((model, variant, base_config or ""))
         if base is not None:
             cases += _feature_cases(model, f"{config} vs {base_config}, {variant}", run, base,
-                                    args.tokens)
+                                    args.tokens, not_compared)
     meta = _meta(args, host, runs)
     if args.tokens:
         meta["compared_tokens"] = args.tokens
     summary = _feature_summary(cases)
+    result = {"meta": meta, "summary": summary, "cases": cases}
+    if not_compared:
+        summary["not_compared"] = len(not_compared)
+        result["not_compared"] = not_compared
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "summary": summary, "cases": cases}, f, indent=1)
+        json.dump(result, f, indent=1)
     print(json.dumps(summary))
 
 

@@ -46,15 +46,21 @@ def _teacher_base(config: str) -> str | None:
 
 def _teacher_case_rows(model: str, label: str, run: dict, base: dict) -> tuple[list, list]:
     """One row per scored case of ``run`` against the same case of ``base``, and each
-    case's |logprob differences| (None where the two cannot be compared)."""
+    case's |logprob differences| (None where the two scorings disagree in shape); a case
+    the baseline did not score on the same prompts gets a row with ``not_compared`` and
+    no differences."""
+    from check_exactness import comparable
+
     rows, diffs = [], []
     base_cases = {res["case"]: res for res in base["scores"]}
     for res in run["scores"]:
         row = {"model": model, "config": label, "case": res["case"],
                "prompt_lens": res["prompt_lens"]}
+        reason = comparable(res, base_cases)
+        if reason:
+            rows.append({**row, "not_compared": reason})
+            continue
         try:
-            if res["case"] not in base_cases:
-                raise ValueError("the baseline did not score this case")
             case_diffs = abs_logprob_diffs(res["scores"], base_cases[res["case"]]["scores"])
         except ValueError as exc:
             rows.append({**row, "error": str(exc)})

@@ -216,11 +216,13 @@ def _parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _step_counts(llm) -> list[dict] | None:
-    """Each rank's :class:`vllm_pcp.runner.PCPStepCounts`; None where the plugin's worker
-    does not run (one GPU)."""
+def _per_rank(llm, method: str) -> list | None:
+    """Each rank's answer to the plugin worker's ``method`` (``collective_rpc``): its
+    :class:`vllm_pcp.runner.PCPStepCounts` (``pcp_step_counts``) or the steps whose
+    sampled tokens it held equal across the PCP ranks (``pcp_sampled_token_checks``);
+    None where the plugin's worker does not run (one GPU)."""
     try:
-        return llm.collective_rpc("pcp_step_counts")
+        return llm.collective_rpc(method)
     except Exception:  # the stock worker has no such method
         return None
 
@@ -306,7 +308,8 @@ def main() -> None:
                    "attention_backend": args.attention_backend, "ray": args.ray,
                    "dcp": args.dcp, "interleave": args.interleave,
                    "v1_runner": args.v1_runner, "kv_capacity_tokens": kv_capacity_tokens,
-                   "teacher": args.teacher, "step_counts": _step_counts(llm),
+                   "teacher": args.teacher, "step_counts": _per_rank(llm, "pcp_step_counts"),
+                   "sampled_token_checks": _per_rank(llm, "pcp_sampled_token_checks"),
                    "shared_gpus": os.environ.get(SHARED_GPUS_ENGAGED), **out}, f)
 
 

@@ -168,7 +168,16 @@ def test_stock_layers_keep_their_settings(make_impl):
     assert impl.alibi_slopes.tolist() == SLOPES
     assert (impl.kv_cache_dtype, impl.kv_sharing_target_layer_name) == ("fp8",
                                                                         "layers.0.attn")
-    assert make_impl(dcp=1, pcp=2, kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+
+
+def test_pcp_layers_refuse_a_quantized_kv_cache(make_impl):
+    """-pcp alone with an fp8 cache: a checkpoint's scheme can make a layer fp8 past the
+    start-up check, and the one-H200 run measured a same-step prefix hit off one GPU's
+    tokens (tests/gpu/results/exactness-features.json, burst at pcp2-fp8 and pcp4-fp8)."""
+    with pytest.raises(PCPConfigError, match=r"with a fp8 KV cache: \-\-kv\-cache\-dtype fp8: "
+                       r"not yet exact with \-pcp 2 .*drop \-\-kv\-cache\-dtype or drop \-pcp"):
+        make_impl(dcp=1, pcp=2, kv_cache_dtype="fp8")
+    assert make_impl(dcp=1, pcp=2, kv_cache_dtype="auto").kv_cache_dtype == "auto"
 
 
 def test_dcp_layers_refuse_a_quantized_kv_cache(make_impl):

@@ -236,10 +236,11 @@ def test_exactness_table_counts_each_comparison_and_its_noise_floor():
     doc = {"cases": [case("pcp2 vs pcp1", "a", None), case("pcp2 vs pcp1", "b", 11, 0.0625)],
            "noise_floor_cases": [case("pcp1-graphs vs pcp1", "a", None)]}
     lines = bench_report.exactness_table(doc).split("\n")
-    assert _cells(lines[0]) == ["comparison", "kind", "models", "cases", "pass",
+    assert _cells(lines[0]) == ["comparison", "model", "kind", "cases", "pass",
                                 "no divergence", "widest margin"]
-    assert _cells(lines[2]) == ["pcp2 vs pcp1", "plugin", "2", "2", "2", "1", "0.0625"]
-    assert _cells(lines[3]) == ["pcp1-graphs vs pcp1", "noise floor", "1", "1", "1", "1", "-"]
+    assert _cells(lines[2]) == ["pcp2 vs pcp1", "a", "plugin", "1", "1", "1", "-"]
+    assert _cells(lines[3]) == ["pcp2 vs pcp1", "b", "plugin", "1", "1", "0", "0.0625"]
+    assert _cells(lines[4]) == ["pcp1-graphs vs pcp1", "a", "noise floor", "1", "1", "1", "-"]
 
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")

@@ -376,3 +376,38 @@ def test_layers_without_dcp_keep_their_settings(make_impl):
     impl = make_impl(dcp=2, pcp=2)  # a plain layer under DCP
     assert (impl.dcp_world_size, impl.sliding_window, impl.logits_soft_cap,
             impl.sinks) == (2, (-1, -1), None, None)
+
+
+def test_sliding_window_on_sm90_is_refused_at_start_up_at_pcp_alone(monkeypatch):
+    """vLLM 0.26.0's FlashInfer metadata builder raises on any sliding-window layer on
+    SM90, after the weights are loaded, and its message points at the default backend,
+    which PCP does not run: the plugin refuses it where the config is made."""
+    from vllm.platforms import current_platform
+
+    model = dict(hf=dict(sliding_window=4096))
+    assert prepare_pcp_config(_config(**model))  # not SM90: vLLM's plan carries the window
+    monkeypatch.setattr(current_platform, "is_device_capability",
+                        lambda capability: capability == 90, raising=False)
+    with pytest.raises(PCPConfigError) as err:
+        prepare_pcp_config(_config(**model))
+    assert ("sliding-window attention (the model's sliding_window = 4096) on SM90"
+            in str(err.value))
+    assert "drop -pcp" in str(err.value) and "--disable-sliding-window" in str(err.value)
+    assert prepare_pcp_config(_config(hf=dict(sliding_window=None)))
+    with pytest.raises(PCPConfigError) as err:  # -dcp: the DCP refusal names it once
+        prepare_pcp_config(_config(**model, **DCP2))
+    assert str(err.value).count("sliding-window attention") == 1
+
+
+def test_pcp_alone_refuses_a_quantized_kv_cache():
+    """Measured on one H200 (exactness-features.json): at -pcp 2 and 4 with an fp8 cache,
+    the request of the shared-prefix burst whose prefix another request writes in the
+    same step left one GPU's tokens beyond the top-5 rule; bf16 caches are exact there."""
+    with pytest.raises(PCPConfigError) as err:
+        prepare_pcp_config(_config(cache_dtype="fp8"))
+    assert ("--kv-cache-dtype fp8: not yet exact with -pcp 2" in str(err.value)
+            and "drop --kv-cache-dtype or drop -pcp" in str(err.value))
+    assert prepare_pcp_config(_config(cache_dtype="auto"))
+    with pytest.raises(PCPConfigError) as err:  # with -dcp the DCP refusal names it once
+        prepare_pcp_config(_config(cache_dtype="fp8", **DCP2))
+    assert str(err.value).count("--kv-cache-dtype fp8") == 1

@@ -366,7 +366,7 @@ def test_features_compare_writes_the_schema_of_exactness_pcp(tmp_path):
     # the fields of every result's meta (a run adds note, jobs, ranks_shared_gpus)
     assert required == set(got["meta"]) and required <= set(pcp["meta"])
     assert got["meta"]["git_rev"] == "abc"
-    assert set(pcp["summary"]) - {"noise_floor"} <= set(got["summary"])
+    assert set(pcp["summary"]) - {"noise_floor", "not_compared"} <= set(got["summary"])
     assert all(PCP_CASE_KEYS <= set(c) for c in got["cases"])
     by = {(c["config"], c["case"]): c for c in got["cases"]}
     assert by[("pcp2-dcp2-i1-auto vs pcp1-v1, chunked", "sampled_n4")]["passed"]
@@ -464,3 +464,20 @@ def test_worker_runs_a_case_group_on_the_engine_it_asks_for(tmp_path, monkeypatc
     assert written["feature_results"][0]["preemptions"] == 1
     assert "results" not in written and "scores" not in written  # no standard cases, no teacher
     assert written["step_counts"] is None and written["shared_gpus"] is None  # stock engine
+    assert written["sampled_token_checks"] is None
+
+
+def test_feature_cases_the_baseline_ran_otherwise_are_not_judged():
+    not_compared = []
+    run = {"returncode": 0, "feature_results": [
+        _result("burst", "burst", [_out([5, 6])]),
+        {**_result("split_12000", "split", [_out([5, 6])]), "prompt_lens": [8152]},
+        _result("json_schema", "json_schema", [_out([5, 6])])]}
+    base = {"returncode": 0, "feature_results": [
+        _result("burst", "burst", [_out([5, 6])]),
+        {**_result("split_12000", "split", [_out([5, 9])]), "prompt_lens": [12000]}]}
+    cases = efc._feature_cases("m", "pcp2 vs pcp1-v1, chunked", run, base, 0, not_compared)
+    assert [(c["case"], c["passed"]) for c in cases] == [("burst", True)]
+    assert [(c["case"], c["reason"]) for c in not_compared] == [
+        ("split_12000", "the baseline ran prompts of [12000] tokens"),
+        ("json_schema", "the baseline did not run this case")]

@@ -421,3 +421,59 @@ def test_result_files_can_take_some_models_runs_only(tmp_path):
         for m in ("a", "b", "c")]}))
     assert sorted(k[0] for k in ce._load_runs([str(raw)])[0]) == ["a", "b", "c"]
     assert sorted(k[0] for k in ce._load_runs([str(raw)], "a,c")[0]) == ["a", "c"]
+
+
+def test_cases_the_baseline_ran_otherwise_are_listed_apart_not_judged(tmp_path):
+    """An earlier run's baseline may lack a case added since, or have run it at another
+    max_model_len (other prompts): such cases are neither passed nor failed."""
+    import json
+    from types import SimpleNamespace
+
+    import check_exactness as ce
+
+    def result(case, lens, tokens):
+        out = _out(tokens, [{t: -0.1} for t in tokens])
+        return {"case": case, "prompt_lens": lens, "outputs": [out] * len(lens)}
+
+    base = {"model": "m", "variant": "chunked", "config": "pcp1-v1", "returncode": 0,
+            "results": [result("len_7", [7], [1, 2]), result("mixed", [3, 12000], [1, 2])]}
+    run = {**base, "config": "pcp2", "results": [
+        result("len_7", [7], [1, 2]), result("mixed", [3, 8152], [5, 6]),
+        result("len_4099", [4099], [1, 2])]}
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"versions": {}, "runs": [base, run]}))
+    out = tmp_path / "out.json"
+    ce.compare(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
+                               note="", tokens=0, date="d", bench_raw="", serve_logs=None))
+    got = json.load(open(out))
+    assert [(c["case"], c["passed"]) for c in got["cases"]] == [("len_7", True)]
+    assert got["summary"]["not_compared"] == 2
+    reasons = {c["case"]: c["reason"] for c in got["not_compared"]}
+    assert reasons == {"mixed": "the baseline ran prompts of [3, 12000] tokens",
+                       "len_4099": "the baseline did not run this case"}
+
+
+def test_meta_names_the_revision_of_each_run_when_raw_files_differ(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    import check_exactness as ce
+
+    def raw(name, rev, config):
+        path = tmp_path / name
+        out = _out([1], [{1: -0.1}])
+        path.write_text(json.dumps({"versions": {}, "git_rev": rev, "runs": [
+            {"model": "m", "variant": "chunked", "config": config, "returncode": 0,
+             "results": [{"case": "len_7", "prompt_lens": [7], "outputs": [out]}]}]}))
+        return str(path)
+
+    out = tmp_path / "out.json"
+    args = SimpleNamespace(raw=[raw("a.json", "aaa", "pcp1-v1"), raw("b.json", "bbb", "pcp2")],
+                           git_rev="bbb", command="c", out=str(out), note="", tokens=0,
+                           date="d", bench_raw="", serve_logs=None)
+    ce.compare(args)
+    meta = json.load(open(out))["meta"]
+    assert meta["runs_by_git_rev"] == {"aaa": ["m:chunked:pcp1-v1"], "bbb": ["m:chunked:pcp2"]}
+    args.raw = [raw("c.json", "bbb", "pcp1-v1"), args.raw[1]]
+    ce.compare(args)
+    assert "runs_by_git_rev" not in json.load(open(out))["meta"]

@@ -305,3 +305,26 @@ def test_teacher_marks_cases_that_cannot_be_compared(tmp_path):
     assert "scored positions differ" in result["cases"][0]["error"]
     assert result["summary"]["configs"]["pcp2 vs pcp1-v1"] is None
     assert result["summary"]["goal"]["pcp2"] is None  # no floors were run
+
+
+def test_cases_the_baseline_scored_on_other_prompts_are_left_out_of_the_pool(tmp_path):
+    import check_exactness as ce
+
+    other = {**_scoring_run("pcp1-v1", [-1.0, -2.0])}
+    other["scores"] = [*other["scores"], {**other["scores"][0], "case": "mixed",
+                                          "prompt_lens": [12000]}]
+    run = _scoring_run("pcp2", [-1.0, -2.5])
+    run["scores"] = [*run["scores"], {**run["scores"][0], "case": "mixed",
+                                      "prompt_lens": [8152], "scores": [[-9.0]]},
+                     {**run["scores"][0], "case": "len_4099", "prompt_lens": [4099]}]
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"versions": {}, "runs": [other, run]}))
+    out = tmp_path / "teacher.json"
+    ce.teacher(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
+                               note="", date=""))
+    result = json.loads(out.read_text())
+    reasons = {c["case"]: c.get("not_compared") for c in result["cases"]}
+    assert reasons == {"len_7": None, "mixed": "the baseline ran prompts of [12000] tokens",
+                       "len_4099": "the baseline did not run this case"}
+    pooled = result["summary"]["configs"]["pcp2 vs pcp1-v1"]
+    assert (pooled["cases"], pooled["max_abs_logprob_diff"]) == (1, 0.5)

@@ -90,11 +90,21 @@ def _attention_backend_name(vllm_config) -> str | None:
 DCP_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
 
+def pcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
+    """Why ``-pcp`` (DCP = 1) refuses a quantized KV cache: measured, not understood."""
+    return (f"--kv-cache-dtype {cache_dtype}: not yet exact with -pcp {pcp} (on one H200 a "
+            "request whose prefix another request writes in the same step left one GPU's "
+            "tokens beyond vLLM's top-5 rule); drop --kv-cache-dtype or drop -pcp")
+
+
 def _dcp_refusals(vllm_config) -> list[str]:
     parallel = vllm_config.parallel_config
     pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
     if dcp == 1:
-        return []
+        cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype",
+                              "auto")
+        return ([pcp_kv_dtype_refusal(cache_dtype, pcp)]
+                if pcp > 1 and cache_dtype not in DCP_CACHE_DTYPES else [])
     if pcp > 1 and dcp != pcp:
         return [f"--decode-context-parallel-size {dcp}: with -pcp {pcp} it must be 1 or "
                 f"{pcp} (the KV cache sharded over the PCP ranks)"]
@@ -251,6 +261,14 @@ def _alibi(model) -> str | None:
     return None
 
 
+def _sm90() -> bool:
+    """Whether the GPU is SM90 (Hopper), where vLLM's FlashInfer metadata builder raises
+    on any sliding-window layer, after the weights are loaded."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_device_capability(90))
+
+
 def _attention_refusals(vllm_config) -> list[str]:
     """Attention settings of the model that no attention path of vllm-pcp applies,
     refused under every layout the plugin takes over (``-pcp``, ``-pcp -dcp``, DCP
@@ -265,6 +283,12 @@ def _attention_refusals(vllm_config) -> list[str]:
                    "(vLLM 0.26.0's FlashInferImpl keeps the slopes and never reads them); "
                    f"{drop}: vLLM's default attention backend applies ALiBi on one GPU "
                    "and with -tp alone")
+    window = _hf_setting(model, "sliding_window")
+    if window and parallel.decode_context_parallel_size == 1 and _sm90():
+        out.append(f"sliding-window attention (the model's sliding_window = {window}) on "
+                   "SM90: vLLM 0.26.0's FlashInfer backend refuses sliding windows on Hopper "
+                   f"GPUs; {drop} (vLLM's default attention backend runs the window), or "
+                   "pass --disable-sliding-window (caps --max-model-len at the window)")
     shared = _hf_setting(model, "num_kv_shared_layers")
     if shared:
         out.append(f"cross-layer KV sharing (the model's num_kv_shared_layers = {shared}): "
