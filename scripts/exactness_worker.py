@@ -216,13 +216,13 @@ def _parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _per_rank(llm, method: str) -> list | None:
+def _per_rank(llm, method: str, *args) -> list | None:
     """Each rank's answer to the plugin worker's ``method`` (``collective_rpc``): its
-    :class:`vllm_pcp.runner.PCPStepCounts` (``pcp_step_counts``) or the steps whose
-    sampled tokens it held equal across the PCP ranks (``pcp_sampled_token_checks``);
-    None where the plugin's worker does not run (one GPU)."""
+    :class:`vllm_pcp.pcp.counts.PCPStepCounts` (``pcp_step_counts``), the steps whose
+    sampled tokens it held equal across the PCP ranks (``pcp_sampled_token_checks``), its
+    memory (``pcp_memory``); None where the plugin's worker does not run (one GPU)."""
     try:
-        return llm.collective_rpc(method)
+        return llm.collective_rpc(method, args=args)
     except Exception:  # the stock worker has no such method
         return None
 
@@ -300,8 +300,11 @@ def main() -> None:
                    if args.text_prompts else None)
     max_prompt_len = max_model_len - args.max_tokens - 8
     cases = build_cases(max_prompt_len, hf["vocab_size"], make_prompt)
+    memory_at_start = _per_rank(llm, "pcp_memory", True)  # the peak reset: the cases' own
     out = run_groups(llm, args, cases, max_prompt_len, hf["vocab_size"],
                      llm.get_tokenizer() if has_tokenizer else None)
+    out["memory"] = memory_at_start and {"at_start": memory_at_start,
+                                         "after_cases": _per_rank(llm, "pcp_memory")}
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "pcp": args.pcp, "tp": args.tp,
                    "variant": args.variant, "cuda_graphs": args.cuda_graphs,

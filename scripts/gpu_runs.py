@@ -17,7 +17,7 @@ import shared_gpu  # noqa: E402
 
 # what a raw entry keeps of an exactness worker's file besides its main key
 RAW_KEYS = ("results", "feature_results", "scores", "scores_error", "kv_capacity_tokens",
-            "step_counts", "sampled_token_checks", "shared_gpus")
+            "step_counts", "sampled_token_checks", "memory", "shared_gpus")
 
 # "RuntimeError: ..." after any "(Worker pid=N) ERROR ... [file.py:N]" prefix
 _ERROR_LINE = re.compile(r"(?:^|\s)((?:\w+\.)*\w*(?:Error|Exception): .*)$")

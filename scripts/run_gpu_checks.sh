@@ -27,7 +27,8 @@
 #              host with fewer GPUs than a layout's ranks they share them
 #              (tests/engine/shared_gpu.py; outputs only, never speed).
 #              OUT_DIR/exactness-pcp.json, exactness-dcp.json, exactness-features.json,
-#              exactness-teacher.json (tests/gpu/results/)
+#              exactness-teacher.json, memory.json (each rank's peak on the cases
+#              against vLLM's profile run; tests/gpu/results/)
 #   bench      TTFT/ITL: pcp1-stock and pcp1 (one per GPU, at once), then pcp2, pcp2-dcp2,
 #              tp2 with the GPUs to themselves; records each KV pool in tokens, and a
 #              torch-profiler table (kernels by CUDA time) of one 32K prefill per rank
@@ -125,6 +126,8 @@ proof_results() {  # WORK OUT: the engine proof's result files from its raw file
     --out "$2/exactness-features.json"
   ex teacher --raw "$1"/raw-base.json "$1"/raw-proof.json --git-rev "$rev" --command "$what" \
     --out "$2/exactness-teacher.json"
+  python3 "$here/memory_report.py" --raw "$1"/raw-proof.json --git-rev "$rev" \
+    --command "$what" --out "$2/memory.json"
 }
 pack() {  # profiler traces left out (hundreds of MB); their per-step tables go in
   tar czf "$out/$stage.tgz" --exclude='*.pt.trace.json*' -C "$(dirname "$work")" "$stage"

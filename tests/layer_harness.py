@@ -81,19 +81,22 @@ def _erase(cache_views, slots, page, kv_layout):
 
 
 def run_dcp_layer_step(monkeypatch, world, interleave, exchange, device, dtype, hq=16,
-                       hkv=2, dim=128, page=16):
+                       hkv=2, dim=128, page=16, around_forward=None):
     """``(per-rank results, expected output)``: each rank's ``(restored output
     [T, Hq, D] float32 on the CPU, its cache after the step, the cache it should
-    hold)`` and causal attention of the whole batch."""
+    hold)`` and causal attention of the whole batch. ``around_forward(rank)``: a
+    context manager the layer's forward runs in (default none)."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cuda"))):
         return _run_dcp_layer_step(monkeypatch, world, interleave, exchange, device, dtype,
-                                   hq, hkv, dim, page)
+                                   hq, hkv, dim, page, around_forward)
 
 
 def _run_dcp_layer_step(monkeypatch, world, interleave, exchange, device, dtype, hq, hkv,
-                        dim, page):
+                        dim, page, around_forward):
+    import contextlib
+
     from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
     from vllm_pcp.backend import KVExchange, PCPDCPMetadata
@@ -137,7 +140,9 @@ def _run_dcp_layer_step(monkeypatch, world, interleave, exchange, device, dtype,
                                 _v_scale=torch.ones(1, device=device))
         rows = pcp.model_input_indices.to(device)  # P rows: local tokens, then pad rows
         output = torch.full((padded, hq, dim), float("nan"), dtype=dtype, device=device)
-        impl.forward(layer, q[rows], k_step[rows], v_step[rows], cache, metadata, output)
+        q_rows, k_rows, v_rows = q[rows], k_step[rows], v_step[rows]
+        with (around_forward or (lambda r: contextlib.nullcontext()))(rank):
+            impl.forward(layer, q_rows, k_rows, v_rows, cache, metadata, output)
         restored = restore_hidden_states(group.rank(rank), output.reshape(padded, hq * dim),
                                          padded, pcp.restore_indices.to(device))
         return restored.reshape(-1, hq, dim).float().cpu(), cache, expect_cache

@@ -464,7 +464,7 @@ def test_worker_runs_a_case_group_on_the_engine_it_asks_for(tmp_path, monkeypatc
     assert written["feature_results"][0]["preemptions"] == 1
     assert "results" not in written and "scores" not in written  # no standard cases, no teacher
     assert written["step_counts"] is None and written["shared_gpus"] is None  # stock engine
-    assert written["sampled_token_checks"] is None
+    assert written["sampled_token_checks"] is None and written["memory"] is None
 
 
 def test_feature_cases_the_baseline_ran_otherwise_are_not_judged():

@@ -141,6 +141,8 @@ def test_engine_proof_holds_every_engine_to_a_baseline_it_runs_first(tmp_path):
     scripts.mkdir()
     shutil.copy(os.path.join(SCRIPTS, "run_gpu_checks.sh"), scripts / "run_gpu_checks.sh")
     (scripts / "check_exactness.py").write_text(FAKE_CHECK)
+    (scripts / "memory_report.py").write_text(  # records its call as check_exactness does
+        FAKE_CHECK.replace("args = sys.argv[1:]", "args = ['memory_report', *sys.argv[1:]]"))
     calls_file = tmp_path / "calls.jsonl"
     res = subprocess.run(
         ["bash", str(scripts / "run_gpu_checks.sh"), "engine-proof", str(tmp_path / "out")],
@@ -176,5 +178,7 @@ def test_engine_proof_holds_every_engine_to_a_baseline_it_runs_first(tmp_path):
     raws = [a for a in feature_compare if a.endswith(".json") and "/raw-" in a]
     assert len(raws) == 5 and all(c[c.index("--raw") + 1] in raws for c in features)
     assert any(c[0] == "teacher" for c in calls)
+    memory = next(c for c in calls if c[0] == "memory_report")
+    assert memory[memory.index("--raw") + 1] == proof[proof.index("--raw") + 1]
     for name in ("exactness-pcp", "exactness-dcp", "exactness-features", "exactness-teacher"):
         assert (tmp_path / "out" / f"{name}.json").exists(), name

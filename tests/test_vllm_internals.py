@@ -995,3 +995,17 @@ def test_config_fields_the_plugin_reads_exist(make_config):
                 break
             owner, obj = (type(obj), name), getattr(obj, name)
     assert not unresolved, unresolved
+
+
+def test_vllm_sizes_the_kv_cache_from_the_profile_runs_torch_peak():
+    """README: I25. ``Worker.determine_available_memory`` runs the runner's
+    ``profile_run`` inside ``memory_profiling`` and then reads the torch peak: memory the
+    override holds through the run counts against the KV cache."""
+    fn = _func(_class(_tree("vllm.v1.worker.gpu_worker"), "Worker"),
+               "determine_available_memory")
+    profiling = next(n for n in ast.walk(fn) if isinstance(n, ast.With)
+                     and "memory_profiling" in ast.unparse(n.items[0].context_expr))
+    assert _calls(profiling, "self.model_runner.profile_run")
+    assert "allocated_bytes.all.peak" in ast.unparse(profiling)
+    runner = _class(_tree("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner")
+    assert [a.arg for a in _func(runner, "profile_run").args.args] == ["self"]

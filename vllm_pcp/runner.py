@@ -62,8 +62,10 @@ from vllm_pcp.config import PCPKnobs, min_split_tokens
 from vllm_pcp.dcp.plan import DCPAttentionPlan, build_dcp_plan, min_folded_seq_len
 from vllm_pcp.dcp.prefix import context_written_in_step
 from vllm_pcp.pcp.agreement import SampledTokenCheck
+from vllm_pcp.pcp.counts import PCPStepCounts
 from vllm_pcp.pcp.exchange import (gathered_slot_mapping, restore_hidden_states,
                                    with_context_rows)
+from vllm_pcp.pcp.memory import split_step_reserve_bytes
 from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, build_pcp_metadata,
                                     split_requests)
 
@@ -91,34 +93,6 @@ class PCPStep:
     plan: PrefillContextParallelMetadata | DCPAttentionPlan
     inputs: SplitInputs | None = None  # set for steps whose tokens are split
     eager: bool = False  # a batch vLLM padded for a CUDA graph that must run eagerly
-
-
-@dataclass
-class PCPStepCounts:
-    """What the split steps of this rank's engine looked like so far, for logs and
-    tests (``LLM.collective_rpc("pcp_step_counts")``: one dict per rank).
-
-    split_steps : steps with a split request (DCP: steps with a PCP plan, i.e. not
-        pure decode steps).
-    steps_with_rank_without_tokens : split steps in which some rank got no local
-        tokens (a split chunk shorter than ``2 * pcp_world_size``): that rank runs
-        ``P`` pad rows and still takes part in every collective.
-    steps_without_local_tokens : split steps in which this rank got none.
-    """
-
-    split_steps: int = 0
-    steps_with_rank_without_tokens: int = 0
-    steps_without_local_tokens: int = 0
-
-    def count(self, plan: PrefillContextParallelMetadata | None) -> None:
-        if plan is None:
-            return
-        self.split_steps += 1
-        if min(plan.num_tokens_per_rank) == 0:
-            self.steps_with_rank_without_tokens += 1
-            logger.debug("PCP split step with ranks without tokens: %s tokens per rank",
-                         plan.num_tokens_per_rank)
-        self.steps_without_local_tokens += plan.num_local_tokens == 0
 
 
 class PCPModelRunner(GPUModelRunner):
@@ -388,6 +362,22 @@ class PCPModelRunner(GPUModelRunner):
                                         None, None, **model_kwargs)
         return restore_hidden_states(self.pcp_group, hidden, inputs.num_padded_tokens_per_rank,
                                      inputs.restore_indices, num_output_rows=input_ids.shape[0])
+
+    def profile_run(self) -> None:
+        """vLLM's profile run with the widest split step's buffers held beside it
+        (:mod:`vllm_pcp.pcp.memory`): the KV cache is sized with them set aside.
+        ``pcp_profile_peak_bytes``: the run's peak of torch allocations above what
+        was allocated before it."""
+        reserve = split_step_reserve_bytes(self.vllm_config)
+        logger.info("PCP: %.3f GiB held through the profile run for split steps",
+                    reserve / (1 << 30))
+        before = torch.cuda.memory_allocated(self.device)
+        held = torch.empty(reserve, dtype=torch.uint8, device=self.device)
+        try:
+            super().profile_run()
+        finally:
+            del held
+        self.pcp_profile_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before
 
     def _sample(self, logits, spec_decode_metadata):
         """vLLM's sampler; with VLLM_PCP_CHECK_SAMPLED_TOKENS the ids are compared across

@@ -7,6 +7,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu_worker import Worker
 
+from vllm_pcp.pcp.memory import split_step_reserve_bytes
+
 logger = init_logger("vllm.vllm_pcp.worker")
 
 
@@ -28,7 +30,7 @@ class PCPWorker(Worker):
         self.model_runner = PCPModelRunner(self.vllm_config, self.device)
 
     def pcp_step_counts(self) -> dict[str, int]:
-        """This rank's :class:`vllm_pcp.runner.PCPStepCounts` (``collective_rpc``)."""
+        """This rank's :class:`vllm_pcp.pcp.counts.PCPStepCounts` (``collective_rpc``)."""
         from dataclasses import asdict
 
         return asdict(self.model_runner.pcp_step_counts)
@@ -38,3 +40,17 @@ class PCPWorker(Worker):
         (``VLLM_PCP_CHECK_SAMPLED_TOKENS``, :mod:`vllm_pcp.pcp.agreement`); 0 when off
         (``collective_rpc``)."""
         return self.model_runner.pcp_sampled_tokens.checked
+
+    def pcp_memory(self, reset: bool = False) -> dict[str, int | None]:
+        """This rank's memory (``collective_rpc``), then with ``reset`` its peak reset:
+        torch allocations now and at their peak since the start or the last reset; the
+        profile run's peak above what it started from, with the split-step reserve
+        held (:meth:`vllm_pcp.runner.PCPModelRunner.profile_run`); the reserve."""
+        runner = self.model_runner
+        out = {"allocated_bytes": torch.cuda.memory_allocated(self.device),
+               "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+               "profile_peak_bytes": getattr(runner, "pcp_profile_peak_bytes", None),
+               "split_step_reserve_bytes": split_step_reserve_bytes(self.vllm_config)}
+        if reset:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return out

@@ -46,18 +46,16 @@ def gather_kv(group, key: torch.Tensor, value: torch.Tensor, num_padded_tokens_p
     tuple of torch.Tensor
         ``[N * (P + Pc), Hkv, D]`` each: rank r's ``P`` new rows (the gathered
         layout of :class:`vllm_pcp.pcp.partition.PrefillContextParallelMetadata`)
-        then its ``Pc`` context rows, rank 0 first. With ``context`` the padding
-        rows are left unset: the cache write skips them (slot -1) and attention
-        indexes past them.
+        then its ``Pc`` context rows, rank 0 first. The padding of the new rows is
+        zero, that of the context rows unset: the cache write skips both (slot -1)
+        and attention indexes past them. One send buffer, ``[P + Pc, 2, Hkv, D]``.
     """
-    if context is None:
-        gathered = all_gather_padded(group, torch.stack((key, value), dim=1),
-                                     num_padded_tokens_per_rank)
-        return gathered[:, 0], gathered[:, 1]
     num_new = num_padded_tokens_per_rank
     send = key.new_empty((num_new + num_context_rows, 2, *key.shape[1:]))
     send[:len(key), 0], send[:len(key), 1] = key, value
-    send[num_new:num_new + len(context)] = context
+    send[len(key):num_new].zero_()
+    if context is not None:
+        send[num_new:num_new + len(context)] = context
     gathered = group.all_gather(send, dim=0)
     return gathered[:, 0], gathered[:, 1]
 

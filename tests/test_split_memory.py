@@ -1,0 +1,278 @@
+"""What a split step holds beyond vLLM's profile run (``vllm_pcp.pcp.memory``), against
+the bytes the plugin's own code allocates, counted on the CPU.
+
+The count: every tensor storage an op creates while the code runs, alive until it is
+freed (a torch dispatch mode per rank thread). The stand-ins of FlashInfer's kernels and
+vLLM's cache write count only the tensors they return, since the real kernels allocate
+nothing else; a collective counts its output, as NCCL's would.
+"""
+import os
+import threading
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from test_dcp_attention_cpu import float32_flashinfer  # noqa: F401  (the fixture)
+from vllm_pcp.pcp.memory import (StepShape, dcp_layer_bytes, kv_gather_bytes, restore_bytes,
+                                 split_step_reserve_bytes, step_bytes)
+
+_thread = threading.local()
+
+
+def _storages(tree) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tree_flatten(tree)[0]
+            if isinstance(t, torch.Tensor)}
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes of storages created under the mode and not freed yet."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = self.paused = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            self.track(out, _storages((args, kwargs)))
+        return out
+
+    def track(self, out, inputs: set[int]) -> None:
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if size == 0 or key in self._seen or key in inputs:  # a view or in place
+                continue
+            self._seen.add(key)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self.live -= size
+        self._seen.discard(key)
+
+    def __enter__(self):
+        _thread.mode = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _thread.mode = None
+        return super().__exit__(*exc)
+
+
+def kernel(fn):
+    """``fn`` (a stand-in of a kernel) counted by its results only."""
+    def run(*args, **kwargs):
+        mode = getattr(_thread, "mode", None)
+        if mode is None:
+            return fn(*args, **kwargs)
+        mode.paused += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            mode.paused -= 1
+        mode.track(out, _storages((args, kwargs)))
+        return out
+    return run
+
+
+def test_live_bytes_counts_new_storages_until_freed_and_skips_views():
+    base = torch.zeros(1000)
+    with LiveBytes() as mode:
+        a = torch.empty(1000)  # 4,000 bytes
+        view = base.view(10, 100)  # none
+        b = torch.empty(500)
+        del a
+        c = torch.empty(2000)
+    assert (mode.peak, mode.live) == (10000, 10000) and view.shape == (10, 100)
+    del b, c
+
+
+class _Group:
+    """``world_size`` ranks whose all-gather returns every rank's tensor as this one's."""
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+
+    def all_gather(self, x, dim=0):
+        return torch.cat([x] * self.world_size, dim=dim)
+
+
+def _shape(rows, pcp, dcp=1, context_rows=0, exchange="auto", tokens=None):
+    return StepShape(tokens=tokens or rows * pcp, rows=rows, context_rows=context_rows,
+                     pcp=pcp, dcp=dcp, num_q_heads=8, num_kv_heads=2, head_dim=16,
+                     hidden_size=128, dtype_bytes=4, exchange=exchange)
+
+
+@pytest.mark.parametrize("pcp", [2, 4])
+@pytest.mark.parametrize("local", [37, 40])  # fewer rows than P: padded first
+def test_kv_gather_and_restore_hold_what_the_bound_counts(pcp, local):
+    from vllm_pcp.pcp.exchange import gather_kv, restore_hidden_states
+
+    s = _shape(rows=40, pcp=pcp)
+    key, value = torch.randn(local, 2, 16), torch.randn(local, 2, 16)
+    with LiveBytes() as mode:
+        k, v = gather_kv(_Group(pcp), key, value, s.rows)
+        del k, v
+    assert 0.7 * kv_gather_bytes(s) <= mode.peak <= kv_gather_bytes(s)
+    hidden, restore = torch.randn(local, 128), torch.randperm(s.tokens)
+    with LiveBytes() as mode:
+        out = restore_hidden_states(_Group(pcp), hidden, s.rows, restore)
+    assert out.shape == (s.tokens, 128)
+    assert 0.7 * restore_bytes(s) <= mode.peak <= restore_bytes(s)
+
+
+@pytest.mark.parametrize("world,interleave,exchange", [
+    (2, 1, "queries"), (2, 8, "keys"), (3, 8, "keys"), (4, 8, "queries")])
+def test_a_dcp_layer_holds_at_most_the_bound(float32_flashinfer, monkeypatch, world,
+                                             interleave, exchange):
+    """The plugin's layer on a PCP x DCP step (``tests/layer_harness.py``), each rank
+    counted: its forward holds no more than :func:`dcp_layer_bytes` of the step's P and
+    Pc, and no less than 0.4 of it (the bound counts every buffer as live at once; 0.54
+    to 0.73 of it here)."""
+    import sys
+
+    import vllm.v1.attention.backends.flashinfer as vllm_flashinfer
+
+    from dcp_harness import COMPUTED, SCHEDULED
+    from layer_harness import run_dcp_layer_step
+    from test_dcp_attention_cpu import _torch_cache_write
+    from vllm_pcp.dcp.plan import build_dcp_plan
+
+    fake = sys.modules["flashinfer"]
+    for name in ("BatchPrefillWithRaggedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+                 "BatchDecodeWithPagedKVCacheWrapper"):
+        cls = getattr(fake, name)
+        monkeypatch.setattr(cls, "run", kernel(cls.run))
+    for name in ("merge_state", "merge_states", "merge_state_in_place"):
+        monkeypatch.setattr(fake, name, kernel(getattr(fake, name)))
+    monkeypatch.setattr(vllm_flashinfer, "can_use_trtllm_attention", lambda *a, **k: False)
+    monkeypatch.setattr(vllm_flashinfer.FlashInferImpl, "do_kv_cache_update",
+                        kernel(_torch_cache_write))
+    modes = {}
+    run_dcp_layer_step(monkeypatch, world, interleave, exchange, "cpu", torch.float32, hq=8,
+                       dim=16, around_forward=lambda rank: modes.setdefault(rank, LiveBytes()))
+    for rank, mode in modes.items():
+        plan = build_dcp_plan(COMPUTED, SCHEDULED, world, rank, interleave, min_split_tokens=2,
+                              context_exchange=exchange, kv_to_q_heads=2 / 8)
+        context_rows = plan.ctx_gather.num_padded if plan.ctx_gather is not None else 0
+        bound = dcp_layer_bytes(_shape(plan.pcp.num_padded_tokens_per_rank, world, world,
+                                       context_rows), exchange)
+        assert 0.4 * bound <= mode.peak <= bound, (rank, mode.peak, bound)
+
+
+def test_the_reserve_takes_the_widest_step_and_the_larger_exchange_under_auto():
+    """P = T (short prefills beside one split chunk), Pc = max_model_len / N; at PCP = 1
+    nothing."""
+    from types import SimpleNamespace
+
+    def config(pcp, dcp, exchange="auto", tokens=8192, max_model_len=131072):
+        model = SimpleNamespace(
+            max_model_len=max_model_len, dtype=torch.bfloat16, get_head_size=lambda: 128,
+            get_num_attention_heads=lambda p: 32 // p.tensor_parallel_size,
+            get_num_kv_heads=lambda p: 8 // p.tensor_parallel_size, get_hidden_size=lambda: 4096)
+        parallel = SimpleNamespace(prefill_context_parallel_size=pcp,
+                                   decode_context_parallel_size=dcp, tensor_parallel_size=1)
+        return SimpleNamespace(model_config=model, parallel_config=parallel,
+                               scheduler_config=SimpleNamespace(max_num_batched_tokens=tokens),
+                               additional_config={"pcp_dcp_context_exchange": exchange})
+
+    assert split_step_reserve_bytes(config(1, 1)) == 0
+    shape = StepShape(tokens=8192, rows=8192, context_rows=0, pcp=2, dcp=1, num_q_heads=32,
+                      num_kv_heads=8, head_dim=128, hidden_size=4096, dtype_bytes=2)
+    assert split_step_reserve_bytes(config(2, 1)) == step_bytes(shape) == restore_bytes(shape)
+    assert restore_bytes(shape) == 4096 * 2 * (8192 * 3 + 8192)  # 256 MiB
+    dcp = StepShape(**{**shape.__dict__, "dcp": 2, "context_rows": 65536})
+    keys, queries = dcp_layer_bytes(dcp, "keys"), dcp_layer_bytes(dcp, "queries")
+    assert split_step_reserve_bytes(config(2, 2, "keys")) == keys
+    assert split_step_reserve_bytes(config(2, 2, "queries")) == queries
+    assert split_step_reserve_bytes(config(2, 2)) == max(keys, queries)
+    assert split_step_reserve_bytes(config(2, 2, "keys", max_model_len=262144)) > keys
+
+
+def test_the_profile_run_holds_the_reserve_and_the_worker_reports_it(monkeypatch):
+    """vLLM measures its profile run's peak of torch allocations: the reserve is
+    allocated through the whole run, then freed; the worker's ``pcp_memory`` reports
+    the run's peak above its start, the reserve, and resets the peak when asked."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import vllm_pcp.runner as runner_mod
+    from vllm_pcp.worker import PCPWorker
+
+    stats = {"allocated": 1000, "peak": 1000, "resets": 0}
+    held, seen_alive = [], []
+    real_empty = torch.empty
+
+    def empty(nbytes, dtype, device):
+        t = real_empty(0, dtype=dtype)
+        held.append((nbytes, dtype, device, weakref.ref(t)))
+        return t
+
+    def stock_profile_run(self):  # what vLLM's run would peak at, with the reserve held
+        seen_alive.append(held[-1][3]() is not None)
+        stats["peak"] = stats["allocated"] + held[-1][0] + 500
+
+    cuda = SimpleNamespace(memory_allocated=lambda d: stats["allocated"],
+                           max_memory_allocated=lambda d: stats["peak"],
+                           reset_peak_memory_stats=lambda d: stats.update(resets=1))
+    monkeypatch.setattr(runner_mod.torch, "empty", empty)
+    monkeypatch.setattr(runner_mod.torch, "cuda", cuda)
+    monkeypatch.setattr(GPUModelRunner, "profile_run", stock_profile_run)
+    monkeypatch.setattr(runner_mod, "split_step_reserve_bytes", lambda config: 4096)
+    runner = object.__new__(runner_mod.PCPModelRunner)
+    runner.vllm_config, runner.device = object(), torch.device("cpu")
+    runner.profile_run()
+    assert held[0][:2] == (4096, torch.uint8) and seen_alive == [True]
+    assert held[0][3]() is None  # freed after the run
+    assert runner.pcp_profile_peak_bytes == 4096 + 500
+
+    import vllm_pcp.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "split_step_reserve_bytes", lambda config: 4096)
+    worker = object.__new__(PCPWorker)
+    worker.model_runner, worker.vllm_config, worker.device = runner, object(), "cpu"
+    assert worker.pcp_memory(reset=True) == {
+        "allocated_bytes": 1000, "peak_allocated_bytes": 1000 + 4096 + 500,
+        "profile_peak_bytes": 4096 + 500, "split_step_reserve_bytes": 4096}
+    assert stats["resets"] == 1
+
+
+def test_memory_report_holds_each_ranks_step_peak_to_the_profile_peak(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    def rank(allocated, peak, profile):
+        return {"allocated_bytes": allocated, "peak_allocated_bytes": peak,
+                "profile_peak_bytes": profile, "split_step_reserve_bytes": 1 << 28}
+
+    gib = 1 << 30
+    fits = {"at_start": [rank(10 * gib, 10 * gib, 2 * gib)] * 2,
+            "after_cases": [rank(10 * gib, 11 * gib, None), rank(10 * gib, 12 * gib, None)]}
+    over = {"at_start": [rank(10 * gib, 10 * gib, gib)],
+            "after_cases": [rank(10 * gib, 12 * gib, None)]}
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"versions": {"gpu": "1 x H200"}, "git_rev": "abc", "runs": [
+        {"model": "m", "variant": "chunked", "config": "pcp2", "returncode": 0, "memory": fits},
+        {"model": "m", "variant": "chunked", "config": "pcp4", "returncode": 0, "memory": over},
+        {"model": "m", "variant": "chunked", "config": "pcp1-v1", "returncode": 0,
+         "memory": None}]}))
+    out = tmp_path / "memory.json"
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "memory_report.py")
+    subprocess.run([sys.executable, script, "--raw", str(raw), "--out",
+                    str(out), "--git-rev", "abc", "--command", "c", "--date", "2026-12-01"],
+                   check=True, capture_output=True)
+    got = json.loads(out.read_text())
+    assert got["summary"] == {"runs": 2, "ranks": 3, "ranks_that_fit": 2, "goal_met": False}
+    assert [r["step_peak_gib"] for r in got["runs"][0]["ranks"]] == [1.0, 2.0]
+    assert got["runs"][1]["ranks"][0]["fits"] is False
+    assert got["meta"]["git_rev"] == "abc" and got["meta"]["date"] == "2026-12-01"

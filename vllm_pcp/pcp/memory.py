@@ -1,0 +1,136 @@
+"""The memory a split step holds beyond what vLLM's profile run sees.
+
+vLLM sizes the KV cache from a profile run: one dummy forward of
+``max_num_batched_tokens`` tokens on each rank, stock attention. A split step
+never runs there, so its transient buffers would come out of the KV cache's
+margin. The runner holds :func:`split_step_reserve_bytes` allocated through the
+profile run, so vLLM's measured peak includes them.
+
+The bound takes the widest step the scheduler can send: ``P``, the rows each
+rank runs, reaches the step's ``T`` tokens when most of them are short
+prefills (computed whole on every rank) beside one split chunk. Per layer, one
+at a time, and then once for the hidden states, every buffer counted as if all
+were live at once:
+
+    DCP = 1     the K/V gather: send [P, 2, Hkv, D], gathered [N * P, 2, Hkv, D]
+    DCP = N     the K/V gather (with Pc context rows under "keys": a chunk's whole
+                context over N ranks, max_model_len / N), the new rows picked out,
+                partial states and their merges; "queries" adds every rank's
+                queries [N * P, Hq, D] and their partials to and from every rank
+    restore     hidden states: [N * P, H] gathered, [T, H] in scheduler order
+
+``"auto"`` may take either exchange in a step, so it is held to the larger.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LSE_BYTES = 4  # float32 log-sum-exp per row and query head
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What sizes a split step's buffers on one rank.
+
+    tokens : T, the step's tokens (``max_num_batched_tokens`` for the bound).
+    rows : P, rows per rank (identical on every rank).
+    context_rows : Pc, context rows each rank sends under the "keys" exchange.
+    pcp, dcp : N and DCP (1 or N).
+    num_q_heads, num_kv_heads : this rank's heads (after TP).
+    head_dim, hidden_size, dtype_bytes : the model's.
+    exchange : ``pcp_dcp_context_exchange`` (``auto``, ``queries``, ``keys``).
+    """
+
+    tokens: int
+    rows: int
+    context_rows: int
+    pcp: int
+    dcp: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype_bytes: int
+    exchange: str = "auto"
+
+
+def kv_gather_bytes(s: StepShape, context_rows: int = 0) -> int:
+    """:func:`vllm_pcp.pcp.exchange.gather_kv`: its send buffer and the gathered one,
+    and the context rows read from the cache (stacked K and V)."""
+    row = 2 * s.num_kv_heads * s.head_dim * s.dtype_bytes
+    sent = s.rows + context_rows
+    return row * (sent * (1 + s.pcp) + 2 * context_rows)
+
+
+def restore_bytes(s: StepShape) -> int:
+    """:func:`vllm_pcp.pcp.exchange.restore_hidden_states`: the padded local rows,
+    every rank's rows gathered, and the step's rows in scheduler order."""
+    return s.hidden_size * s.dtype_bytes * (s.rows * (1 + s.pcp) + s.tokens)
+
+
+def _partials_bytes(s: StepShape, rows: int, blocks: int = 1) -> int:
+    """Partial states (output and LSE) of ``rows`` rows, in ``blocks`` blocks of
+    128-byte aligned buffers."""
+    return rows * s.num_q_heads * (s.head_dim * s.dtype_bytes + LSE_BYTES) + 128 * blocks
+
+
+def dcp_layer_bytes(s: StepShape, exchange: str) -> int:
+    """One DCP layer of a split step under ``exchange`` (``queries`` or ``keys``), as
+    :class:`vllm_pcp.dcp.attention.DCPAttention` runs it, every buffer counted as if
+    all were live at once:
+
+    - the K/V gather (with the context rows under ``keys``) and the rows picked out
+      of it for the new tokens' kernel;
+    - the local output and LSE, and their merge;
+    - replicated rows (short prefills with context): their partials, every rank's,
+      merged;
+    - ``queries``: every rank's queries (padded, gathered, the shard's rows picked
+      out), their partials sent, received, picked out and regrouped.
+    """
+    kv_row = s.num_kv_heads * s.head_dim * s.dtype_bytes
+    q_row = s.num_q_heads * s.head_dim * s.dtype_bytes
+    own = _partials_bytes(s, s.rows)
+    replicated = (2 + s.pcp) * _partials_bytes(s, s.rows, s.pcp) + s.rows * q_row
+    if exchange == "keys":
+        picked = 2 * kv_row * s.pcp * (s.rows + s.context_rows)
+        return kv_gather_bytes(s, s.context_rows) + picked + 2 * own + replicated
+    every = s.pcp * s.rows
+    queries = (1 + 2 * s.pcp) * s.rows * q_row + 5 * _partials_bytes(s, every, s.pcp)
+    return kv_gather_bytes(s) + 2 * kv_row * every + 2 * own + replicated + queries
+
+
+def step_bytes(s: StepShape) -> int:
+    """The most a split step of shape ``s`` holds at once: its widest layer or the
+    restore of its hidden states."""
+    if s.dcp == 1:
+        layer = kv_gather_bytes(s)
+    elif s.exchange == "auto":
+        layer = max(dcp_layer_bytes(s, "queries"), dcp_layer_bytes(s, "keys"))
+    else:
+        layer = dcp_layer_bytes(s, s.exchange)
+    return max(layer, restore_bytes(s))
+
+
+def widest_step(vllm_config) -> StepShape:
+    """The widest split step ``vllm_config``'s scheduler can send, on one rank."""
+    from vllm_pcp.config import PCPKnobs
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
+    return StepShape(
+        tokens=tokens, rows=tokens, context_rows=-(-model.max_model_len // pcp) if dcp > 1
+        else 0, pcp=pcp, dcp=dcp,
+        num_q_heads=model.get_num_attention_heads(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
+        hidden_size=model.get_hidden_size(), dtype_bytes=model.dtype.itemsize,
+        exchange=knobs.dcp_context_exchange)
+
+
+def split_step_reserve_bytes(vllm_config) -> int:
+    """What the runner holds through vLLM's profile run: :func:`step_bytes` of
+    :func:`widest_step`; 0 where no step is split (PCP = 1)."""
+    if vllm_config.parallel_config.prefill_context_parallel_size == 1:
+        return 0
+    return step_bytes(widest_step(vllm_config))
