@@ -74,7 +74,10 @@ FLOOR_PAIRS = ((("chunked", "pcp1"), ("chunked", "pcp1-v1")),  # V2 against V1
                (("chunked", "pcp1-graphs"), ("chunked", "pcp1")),
                (("unchunked", "pcp1-graphs"), ("unchunked", "pcp1")),
                (("chunked", "pcp1"), ("unchunked", "pcp1")),
-               (("chunked", "pcp1-graphs"), ("unchunked", "pcp1-graphs")))
+               (("chunked", "pcp1-graphs"), ("unchunked", "pcp1-graphs")),
+               # vLLM's own -tp 2: sharded weights round otherwise (MoE's experts are
+               # sharded over the ranks under -pcp too)
+               (("chunked", "tp2"), ("chunked", "pcp1")))
 TEXT_SUFFIX = "-text"
 FULL_DEPTH_SUFFIX = "-full"
 TEXT_DATA = os.path.join(os.environ.get("DATA_GSM8K", "/tmp/gsm8k"), "train.jsonl")

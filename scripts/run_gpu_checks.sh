@@ -215,6 +215,7 @@ EOF
     for model in $r $s $m $e; do  # the one-GPU floors
       for config in pcp1 pcp1-graphs pcp1-flash-attn; do jobs+=,$model:chunked:$config; done
     done
+    jobs+=,$e:chunked:tp2  # vLLM's own expert sharding over two ranks, as -pcp 2 shards them
     proof --lanes "${PROOF_LANES:-5}" --one-gpu-lanes 2 --jobs "${PROOF_JOBS:-$jobs}" \
       --teacher "$work/raw-base.json" --raw "$work/raw-proof.json" > "$work/proof.log" 2>&1 &
     exchanges=pcp2-dcp2-i1-queries,pcp2-dcp2-i1-keys,pcp2-dcp2-i16-queries,pcp2-dcp2-i16-keys

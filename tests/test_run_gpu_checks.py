@@ -165,7 +165,8 @@ def test_engine_proof_holds_every_engine_to_a_baseline_it_runs_first(tmp_path):
             assert (model, "chunked", "pcp1-v1") in base_jobs
     configs = {config for _, _, config in proof_jobs}
     assert set(et.TEACHER_GOALS) - {"tp2-dcp2-i1"} <= configs  # every goal measured
-    assert set(et.TEACHER_FLOORS) <= configs and "pcp1" in configs
+    assert set(et.GOAL_FLOORS) <= configs and "pcp1" in configs
+    assert ("qwen3-moe-8e", "chunked", "tp2") in proof_jobs  # MoE's floor of -pcp 2
     assert {"pcp4", "pcp4-dcp4-i8", "pcp8", "tp2-pcp2", "tp2-pcp2-dcp2-i1",
             "tp4-pcp2-dcp2-i8", "pcp2-ray"} <= configs
     features = [c for c in calls if c[:2] == ["features", "run"]]
