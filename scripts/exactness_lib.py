@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 MAX_TOKENS = 32
-# 4099 = 2 x 2048 + 3: chunked prefill leaves a 3-token chunk, which at -pcp 4 and 8 splits
-# into fewer tokens than ranks (a step with ranks without tokens)
+# 4099 = 2 x 2048 + 3: chunked prefill leaves a 3-token chunk, which at -pcp 4 -dcp 4 and 8
+# splits into fewer tokens than ranks (a step with ranks without tokens; with a whole cache
+# on every rank the chunk is computed whole, as one GPU attends it)
 SINGLE_LENGTHS = (1, 7, 100, 1000, 4097, 4099, 16384, 32768)
 MIXED_LENGTHS = (3, 150, 2500, 12000)
 

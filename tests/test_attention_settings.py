@@ -175,7 +175,7 @@ def test_pcp_layers_refuse_a_quantized_kv_cache(make_impl):
     start-up check, and the one-H200 run measured a same-step prefix hit off one GPU's
     tokens (tests/gpu/results/exactness-features.json, burst at pcp2-fp8 and pcp4-fp8)."""
     with pytest.raises(PCPConfigError, match=r"with a fp8 KV cache: \-\-kv\-cache\-dtype fp8: "
-                       r"not yet exact with \-pcp 2 .*drop \-\-kv\-cache\-dtype or drop \-pcp"):
+                       r"not yet verified with \-pcp 2 on a GPU .*drop \-\-kv\-cache\-dtype or drop \-pcp"):
         make_impl(dcp=1, pcp=2, kv_cache_dtype="fp8")
     assert make_impl(dcp=1, pcp=2, kv_cache_dtype="auto").kv_cache_dtype == "auto"
 

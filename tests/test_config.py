@@ -405,7 +405,7 @@ def test_pcp_alone_refuses_a_quantized_kv_cache():
     same step left one GPU's tokens beyond the top-5 rule; bf16 caches are exact there."""
     with pytest.raises(PCPConfigError) as err:
         prepare_pcp_config(_config(cache_dtype="fp8"))
-    assert ("--kv-cache-dtype fp8: not yet exact with -pcp 2" in str(err.value)
+    assert ("--kv-cache-dtype fp8: not yet verified with -pcp 2 on a GPU" in str(err.value)
             and "drop --kv-cache-dtype or drop -pcp" in str(err.value))
     assert prepare_pcp_config(_config(cache_dtype="auto"))
     with pytest.raises(PCPConfigError) as err:  # with -dcp the DCP refusal names it once

@@ -383,7 +383,9 @@ def test_run_passes_the_case_groups_to_every_worker_and_self_teacher_to_chunked_
 @pytest.mark.parametrize("ranks", [4, 8])
 def test_a_case_leaves_ranks_without_tokens_in_a_chunked_step(ranks):
     """The exactness cases hold a step whose split chunk is shorter than 2N tokens, so the
-    engine checks see ranks without tokens (their step counts say how often)."""
+    engine checks see ranks without tokens under -dcp (their step counts say how often;
+    with a whole cache on every rank such a chunk is computed whole:
+    ``partition.min_chunk_tokens``)."""
     from exactness_worker import VARIANTS
 
     from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks

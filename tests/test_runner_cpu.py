@@ -232,9 +232,12 @@ def test_prepare_inputs_skips_planning_without_a_split(monkeypatch):
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
     runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))  # prompts below 2N = 4
     assert runner._step is None and runner.pcp_step_counts.split_steps == 0
-    # a preempted request recomputing prompt and output: its prefill is the whole length
+    # a preempted request recomputing prompt and output: its prefill is the whole length;
+    # a chunk of it with rows of 1 token (vLLM's decode kernel) is computed whole
     runner.input_batch.num_computed_tokens_cpu = np.array([30, 0, 0, 12], np.int32)
-    runner._prepare_inputs(None, np.array([1, 3, 1, 2], np.int32))
+    runner._prepare_inputs(None, np.array([1, 3, 1, 7], np.int32))
+    assert runner._step is None and runner.pcp_step_counts.split_steps == 0
+    runner._prepare_inputs(None, np.array([1, 3, 1, 8], np.int32))  # 2N rows of 2 tokens
     assert runner._step.plan.num_split_requests == 1
     assert runner.pcp_step_counts.split_steps == 1  # the split step is counted
 
@@ -612,3 +615,41 @@ def test_row_buffers_hold_two_rows_per_request():
     assert builder.paged_kv_last_page_len.cpu.shape == (2 * max_num_seqs,)
     grow_row_buffers(builder, 4)  # never shrinks
     assert builder.paged_kv_last_page_len.cpu.shape == (2 * max_num_seqs,)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_split_rows_keep_the_kernel_one_gpu_attends_them_with(monkeypatch, world):
+    """vLLM's FlashInfer attends a row of at most ``reorder_batch_threshold`` query
+    tokens with its decode kernel (``split_decodes_and_prefills``), a longer one with its
+    prefill kernel; on SM90 with an fp8 cache the two take bf16 and fp8 queries. Every
+    local row must be in the class one GPU puts its whole chunk in: the 3-token chunk of
+    a 6,003-token prompt (a prefix hit) and a 7-token one stay whole, the 40-token one
+    is split into rows of at least 2 tokens, decodes stay decodes."""
+    import vllm.v1.attention.backends.utils as attn_utils
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    computed, prompts = [30, 6000, 6000, 8000], [30, 6003, 6007, 20000]
+    scheduled = np.array([1, 3, 7, 40], np.int32)
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
+    group = ThreadGroup(world)
+    for rank in range(world):
+        runner = _make_runner(group, rank)
+        runner.input_batch.num_computed_tokens_cpu = np.array(computed, np.int32)
+        runner.input_batch.num_prompt_tokens = np.array(prompts, np.int32)
+        runner.input_batch.num_reqs = 4
+        runner._prepare_inputs(None, scheduled)
+        plan = runner._step.plan
+        assert plan.num_split_requests == 1
+        q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
+        cm = CommonAttentionMetadata(
+            query_start_loc=plan.query_start_loc, query_start_loc_cpu=plan.query_start_loc,
+            seq_lens=plan.seq_lens, _seq_lens_cpu=plan.seq_lens,
+            _num_computed_tokens_cpu=plan.seq_lens - q_lens,
+            seq_lens_cpu_upper_bound=plan.seq_lens, num_reqs=plan.num_rows,
+            num_actual_tokens=plan.num_local_tokens, max_query_len=plan.max_query_len,
+            max_seq_len=int(plan.seq_lens.max()), causal=True,
+            block_table_tensor=torch.zeros((plan.num_rows, 1), dtype=torch.int32),
+            slot_mapping=torch.zeros(plan.num_local_tokens, dtype=torch.int64))
+        num_decodes, _, _, _ = attn_utils.split_decodes_and_prefills(cm, decode_threshold=1)
+        one_gpu_decode = scheduled[plan.row_req_indices.numpy()] <= 1
+        assert list(one_gpu_decode) == [i < num_decodes for i in range(plan.num_rows)], rank

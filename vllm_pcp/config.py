@@ -91,10 +91,13 @@ DCP_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
 
 def pcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
-    """Why ``-pcp`` (DCP = 1) refuses a quantized KV cache: measured, not understood."""
-    return (f"--kv-cache-dtype {cache_dtype}: not yet exact with -pcp {pcp} (on one H200 a "
-            "request whose prefix another request writes in the same step left one GPU's "
-            "tokens beyond vLLM's top-5 rule); drop --kv-cache-dtype or drop -pcp")
+    """Why ``-pcp`` (DCP = 1) refuses a quantized KV cache until a GPU run shows it exact:
+    on one H200 a 3-token chunk split into rows of 1 token (vLLM's decode kernel, bf16
+    queries, where one GPU's prefill kernel takes fp8 ones) left one GPU's tokens; the
+    split now computes such chunks whole (``partition.min_chunk_tokens``)."""
+    return (f"--kv-cache-dtype {cache_dtype}: not yet verified with -pcp {pcp} on a GPU (a "
+            "run left one GPU's tokens beyond vLLM's top-5 rule); drop --kv-cache-dtype or "
+            "drop -pcp")
 
 
 def _dcp_refusals(vllm_config) -> list[str]:

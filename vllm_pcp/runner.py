@@ -67,7 +67,7 @@ from vllm_pcp.pcp.exchange import (gathered_slot_mapping, restore_hidden_states,
                                    with_context_rows)
 from vllm_pcp.pcp.memory import split_step_reserve_bytes
 from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, build_pcp_metadata,
-                                    split_requests)
+                                    min_chunk_tokens, split_requests)
 
 logger = init_logger("vllm.vllm_pcp.runner")
 
@@ -146,12 +146,15 @@ class PCPModelRunner(GPUModelRunner):
             self._step = PCPStep(self._plan_dcp_step(
                 computed, scheduled, prefill_lens,
                 self._context_written_in_step(computed, scheduled, prefill_lens)))
-        elif split_requests(scheduled, self.pcp_min_split_tokens, prefill_lens).any():
-            # the same test build_pcp_metadata splits by: the plan is a split one
-            self._step = PCPStep(build_pcp_metadata(
-                computed, scheduled, self.pcp_world_size, self.pcp_rank,
-                min_split_tokens=self.pcp_min_split_tokens,
-                decode_threshold=self.reorder_batch_threshold or 1, prefill_lens=prefill_lens))
+        else:
+            threshold = self.reorder_batch_threshold or 1
+            chunk = min_chunk_tokens(self.pcp_world_size, threshold)
+            if split_requests(scheduled, self.pcp_min_split_tokens, prefill_lens, chunk).any():
+                # the same test build_pcp_metadata splits by: the plan is a split one
+                self._step = PCPStep(build_pcp_metadata(
+                    computed, scheduled, self.pcp_world_size, self.pcp_rank,
+                    min_split_tokens=self.pcp_min_split_tokens, decode_threshold=threshold,
+                    prefill_lens=prefill_lens, min_chunk_tokens=chunk))
         if self._step is not None:
             plan = self._step.plan
             self.pcp_step_counts.count(plan.pcp if isinstance(plan, DCPAttentionPlan) else plan)

@@ -193,19 +193,31 @@ def _plan_rank_rows(
 
 
 def split_requests(num_scheduled_tokens: Sequence[int], min_split_tokens: int,
-                   prefill_lens: Sequence[int] | None = None) -> np.ndarray:
-    """Which requests of a step are split: at least 2 tokens scheduled, and a prefill
-    of at least ``min_split_tokens`` tokens (values below 2 act as 2).
+                   prefill_lens: Sequence[int] | None = None,
+                   min_chunk_tokens: int = 2) -> np.ndarray:
+    """Which requests of a step are split: at least ``min_chunk_tokens`` tokens
+    scheduled (values below 2 act as 2), and a prefill of at least
+    ``min_split_tokens`` tokens (the same).
 
     ``prefill_lens``: each request's whole prefill (its prompt; more when a
     preempted request recomputes its output too). Given, every chunk of a long
-    prompt is split, however few tokens the scheduler gave it in this step;
-    without it, this step's tokens decide.
+    prompt of at least ``min_chunk_tokens`` tokens is split; without it, this step's
+    tokens decide. ``min_chunk_tokens``: see :func:`min_chunk_tokens`.
     """
     scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
     length = scheduled if prefill_lens is None else \
         np.asarray(prefill_lens, dtype=np.int64).reshape(-1)
-    return (scheduled >= 2) & (length >= max(2, min_split_tokens))
+    return (scheduled >= max(2, min_chunk_tokens)) & (length >= max(2, min_split_tokens))
+
+
+def min_chunk_tokens(pcp_world_size: int, decode_threshold: int) -> int:
+    """The shortest chunk a whole-cache split (DCP = 1) splits: one whose 2N rows all
+    have more than ``decode_threshold`` tokens. vLLM's FlashInfer attends a row of at
+    most that many query tokens with its decode kernel, so a chunk that one GPU attends
+    as a prefill must stay a prefill in every row; a shorter chunk is computed whole on
+    every rank, as one GPU computes it (on SM90 with an fp8 KV cache the two kernels
+    take the queries in bf16 and in fp8)."""
+    return 2 * pcp_world_size * (decode_threshold + 1)
 
 
 def build_pcp_metadata(
@@ -217,6 +229,7 @@ def build_pcp_metadata(
     min_split_tokens: int = 2,
     decode_threshold: int = 1,
     prefill_lens: Sequence[int] | None = None,
+    min_chunk_tokens: int = 2,
 ) -> PrefillContextParallelMetadata:
     """Plan one step for ``pcp_rank``.
 
@@ -234,13 +247,15 @@ def build_pcp_metadata(
         Rows with at most this many query tokens are ordered first.
     prefill_lens : sequence of int, optional
         Per request, its whole prefill length (the prompt's).
+    min_chunk_tokens : int
+        Shorter chunks are replicated, not split (:func:`split_requests`).
     """
     if not 0 <= pcp_rank < pcp_world_size:
         raise ValueError(f"pcp_rank {pcp_rank} outside [0, {pcp_world_size})")
     return build_pcp_metadata_all_ranks(
         num_computed_tokens, num_scheduled_tokens, pcp_world_size,
         min_split_tokens=min_split_tokens, decode_threshold=decode_threshold,
-        prefill_lens=prefill_lens)[pcp_rank]
+        prefill_lens=prefill_lens, min_chunk_tokens=min_chunk_tokens)[pcp_rank]
 
 
 def build_pcp_metadata_all_ranks(
@@ -251,6 +266,7 @@ def build_pcp_metadata_all_ranks(
     min_split_tokens: int = 2,
     decode_threshold: int = 1,
     prefill_lens: Sequence[int] | None = None,
+    min_chunk_tokens: int = 2,
 ) -> list[PrefillContextParallelMetadata]:
     """:func:`build_pcp_metadata` for every rank at once (one plan, N views)."""
     computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
@@ -258,7 +274,7 @@ def build_pcp_metadata_all_ranks(
     if computed.shape != scheduled.shape or (scheduled < 0).any() or (computed < 0).any():
         raise ValueError("need one non-negative computed and scheduled count per request")
     token_start = np.cumsum(scheduled) - scheduled
-    split = split_requests(scheduled, min_split_tokens, prefill_lens)
+    split = split_requests(scheduled, min_split_tokens, prefill_lens, min_chunk_tokens)
     rows = [
         _plan_rank_rows(computed, scheduled, token_start, split, pcp_world_size, r,
                         decode_threshold)
