@@ -67,7 +67,13 @@ def _feature_baseline(config: str) -> str | None:
     return None if config == "pcp1-v1" else "pcp1-v1"
 
 
-def _refusal_pattern(model: str, config: str) -> str | None:
+def _refusal_pattern(model: str, config: str, environ=os.environ) -> str | None:
+    """What ``config`` on ``model`` must be refused with, or None; a -pcp fp8 cache that
+    the check lets through (``VLLM_PCP_TEST_ACCEPT_KV_DTYPES``, tests/engine/shared_gpu.py)
+    runs its cases instead."""
+    accepted = environ.get("VLLM_PCP_TEST_ACCEPT_KV_DTYPES", "").split(",")
+    if config.endswith("-fp8") and "-dcp" not in config and "fp8" in accepted:
+        return FEATURE_REFUSED_MODELS.get(model)
     return FEATURE_REFUSED_MODELS.get(model) or FEATURE_REFUSED_CONFIGS.get(config)
 
 

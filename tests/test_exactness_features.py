@@ -481,3 +481,11 @@ def test_feature_cases_the_baseline_ran_otherwise_are_not_judged():
     assert [(c["case"], c["reason"]) for c in not_compared] == [
         ("split_12000", "the baseline ran prompts of [12000] tokens"),
         ("json_schema", "the baseline did not run this case")]
+
+
+def test_a_pcp_fp8_cache_the_check_lets_through_runs_its_cases():
+    env = {"VLLM_PCP_TEST_ACCEPT_KV_DTYPES": "fp8"}
+    assert efc._refusal_pattern("m", "pcp2-fp8", {}) == r"--kv-cache-dtype fp8"
+    assert efc._refusal_pattern("m", "pcp2-fp8", env) is None
+    assert efc._refusal_pattern("m", "pcp2-dcp2-i1-fp8", env) == r"--kv-cache-dtype fp8"
+    assert efc._refusal_pattern("mistral-swa512", "pcp2-fp8", env) is not None

@@ -138,6 +138,24 @@ def test_each_process_gives_nccl_a_host_of_its_own(monkeypatch):
     assert os.environ["NCCL_HOSTID"] == f"vllm-pcp-shared-gpu-{os.getpid()}"
 
 
+def test_a_check_can_let_pcp_take_a_kv_cache_dtype_the_plugin_refuses(monkeypatch, tmp_path):
+    """``VLLM_PCP_TEST_ACCEPT_KV_DTYPES=fp8``: start-up and the layers take an fp8 cache at
+    -pcp 2 (DCP keeps its own refusal); unset, both refuse it."""
+    import vllm_pcp.config as config
+    from test_config import DCP2, _config
+
+    monkeypatch.setattr(config, "PCP_CACHE_DTYPES", config.PCP_CACHE_DTYPES)
+    with pytest.raises(config.PCPConfigError):
+        config.prepare_pcp_config(_config(cache_dtype="fp8"))
+    plugin.accept_kv_dtypes("")
+    with pytest.raises(config.PCPConfigError):
+        config.prepare_pcp_config(_config(cache_dtype="fp8"))
+    plugin.accept_kv_dtypes("fp8")
+    assert config.prepare_pcp_config(_config(cache_dtype="fp8"))
+    with pytest.raises(config.PCPConfigError, match="--kv-cache-dtype fp8"):
+        config.prepare_pcp_config(_config(cache_dtype="fp8", **DCP2))
+
+
 # --- what the harness relies on in vLLM 0.26.0 -------------------------------------------
 
 def test_vllm_builds_the_parallel_config_from_the_fields_the_harness_sets():

@@ -29,7 +29,7 @@ from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
 from vllm.v1.attention.backends.flashinfer import (FlashInferBackend, FlashInferImpl,
                                                    FlashInferMetadataBuilder)
 
-from vllm_pcp.config import DCP_CACHE_DTYPES
+from vllm_pcp import config as pcp_config
 from vllm_pcp.pcp.exchange import gather_kv
 
 
@@ -97,7 +97,7 @@ class PCPFlashInferImpl(FlashInferImpl):
         pcp, dcp = self.pcp_world_size, self.dcp_world_size
         unapplied = _unapplied_settings(self) if pcp > 1 or dcp > 1 else []
         unplanned = _dcp_unplanned_settings(self) if dcp > 1 else []
-        if pcp > 1 and dcp == 1 and self.kv_cache_dtype not in DCP_CACHE_DTYPES:
+        if pcp > 1 and dcp == 1 and self.kv_cache_dtype not in pcp_config.PCP_CACHE_DTYPES:
             from vllm_pcp.config import PCPConfigError, pcp_kv_dtype_refusal
 
             raise PCPConfigError("vllm-pcp cannot run an attention layer with a "

@@ -86,8 +86,10 @@ def _attention_backend_name(vllm_config) -> str | None:
     return None if backend is None else getattr(backend, "name", str(backend))
 
 
-# KV cache dtypes vllm-pcp's DCP attention runs (unquantized)
+# KV cache dtypes vllm-pcp's DCP attention runs (unquantized), and those -pcp alone takes
+# (verified on GPUs); both read where they are checked
 DCP_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+PCP_CACHE_DTYPES = DCP_CACHE_DTYPES
 
 
 def pcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
@@ -107,7 +109,7 @@ def _dcp_refusals(vllm_config) -> list[str]:
         cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype",
                               "auto")
         return ([pcp_kv_dtype_refusal(cache_dtype, pcp)]
-                if pcp > 1 and cache_dtype not in DCP_CACHE_DTYPES else [])
+                if pcp > 1 and cache_dtype not in PCP_CACHE_DTYPES else [])
     if pcp > 1 and dcp != pcp:
         return [f"--decode-context-parallel-size {dcp}: with -pcp {pcp} it must be 1 or "
                 f"{pcp} (the KV cache sharded over the PCP ranks)"]

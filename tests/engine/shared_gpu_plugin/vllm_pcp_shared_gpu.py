@@ -23,6 +23,10 @@ engine, as it loads vllm-pcp itself:
   hands out onto the GPUs that exist.
 
 Ranks that share a GPU check outputs, never speed.
+
+One more switch for the checks, off unless set: ``VLLM_PCP_TEST_ACCEPT_KV_DTYPES``
+(comma-separated, e.g. ``fp8``) lets ``-pcp`` engines take KV cache dtypes the plugin
+refuses there until a GPU run shows them exact, so that the run can.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import os
 
 MODE_VAR = "VLLM_PCP_TEST_SHARE_GPUS"  # off (unset) | auto | force
 ENGAGED_VAR = "VLLM_PCP_TEST_SHARED_GPUS_ENGAGED"  # the GPU count, set once engaged
+ACCEPT_KV_DTYPES_VAR = "VLLM_PCP_TEST_ACCEPT_KV_DTYPES"  # e.g. "fp8": -pcp takes them
 
 _registered = False
 
@@ -40,10 +45,21 @@ def register() -> None:
     if _registered or os.environ.get(MODE_VAR, "off") not in ("auto", "force"):
         return
     _registered = True
+    accept_kv_dtypes(os.environ.get(ACCEPT_KV_DTYPES_VAR, ""))
     if os.environ.get(ENGAGED_VAR):
         give_nccl_own_host()
     _wrap_engine_args()
     _wrap_device_ids_of_workers()
+
+
+def accept_kv_dtypes(names: str) -> None:
+    """Add ``names`` (comma-separated) to the KV cache dtypes ``-pcp`` takes
+    (``vllm_pcp.config.PCP_CACHE_DTYPES``, read at start-up and by every layer)."""
+    extra = tuple(n for n in names.split(",") if n)
+    if extra:
+        import vllm_pcp.config
+
+        vllm_pcp.config.PCP_CACHE_DTYPES = (*vllm_pcp.config.PCP_CACHE_DTYPES, *extra)
 
 
 def give_nccl_own_host() -> None:
