@@ -270,7 +270,8 @@ def _compare_run(model: str, label: str, run: dict, base: dict, tokens: int,
 
 def _load_runs(paths: list[str], models: str = "") -> tuple[dict, dict]:
     """The runs of raw files by (model, variant, config), a later file's replacing an
-    earlier one's, each with its file's ``git_rev``, and the versions of the last file;
+    earlier one's, each with its ``git_rev`` (its own, else its file's), and the versions of
+    the last file;
     ``models`` (comma-separated): only theirs."""
     runs, host, only = {}, {}, set(filter(None, models.split(",")))
     for path in paths:
@@ -280,7 +281,7 @@ def _load_runs(paths: list[str], models: str = "") -> tuple[dict, dict]:
         for run in data["runs"]:
             if not only or run["model"] in only:
                 runs[(run["model"], run["variant"], run["config"])] = {
-                    **run, "git_rev": data.get("git_rev")}
+                    **run, "git_rev": run.get("git_rev") or data.get("git_rev")}
     return runs, host
 
 
