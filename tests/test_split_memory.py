@@ -169,8 +169,8 @@ def test_a_dcp_layer_holds_at_most_the_bound(float32_flashinfer, monkeypatch, wo
 
 
 def test_the_reserve_takes_the_widest_step_and_the_larger_exchange_under_auto():
-    """P = T (short prefills beside one split chunk), Pc = max_model_len / N; at PCP = 1
-    nothing."""
+    """P = T (short prefills beside one split chunk), Pc = max_model_len / N and the
+    interleave's padding; at PCP = 1 nothing."""
     from types import SimpleNamespace
 
     def config(pcp, dcp, exchange="auto", tokens=8192, max_model_len=131072):
@@ -179,7 +179,8 @@ def test_the_reserve_takes_the_widest_step_and_the_larger_exchange_under_auto():
             get_num_attention_heads=lambda p: 32 // p.tensor_parallel_size,
             get_num_kv_heads=lambda p: 8 // p.tensor_parallel_size, get_hidden_size=lambda: 4096)
         parallel = SimpleNamespace(prefill_context_parallel_size=pcp,
-                                   decode_context_parallel_size=dcp, tensor_parallel_size=1)
+                                   decode_context_parallel_size=dcp, tensor_parallel_size=1,
+                                   cp_kv_cache_interleave_size=8)
         return SimpleNamespace(model_config=model, parallel_config=parallel,
                                scheduler_config=SimpleNamespace(max_num_batched_tokens=tokens),
                                additional_config={"pcp_dcp_context_exchange": exchange})
@@ -189,7 +190,7 @@ def test_the_reserve_takes_the_widest_step_and_the_larger_exchange_under_auto():
                       num_kv_heads=8, head_dim=128, hidden_size=4096, dtype_bytes=2)
     assert split_step_reserve_bytes(config(2, 1)) == step_bytes(shape) == restore_bytes(shape)
     assert restore_bytes(shape) == 4096 * 2 * (8192 * 3 + 8192)  # 256 MiB
-    dcp = StepShape(**{**shape.__dict__, "dcp": 2, "context_rows": 65536})
+    dcp = StepShape(**{**shape.__dict__, "dcp": 2, "context_rows": 65536 + 8})
     keys, queries = dcp_layer_bytes(dcp, "keys"), dcp_layer_bytes(dcp, "queries")
     assert split_step_reserve_bytes(config(2, 2, "keys")) == keys
     assert split_step_reserve_bytes(config(2, 2, "queries")) == queries
@@ -276,3 +277,18 @@ def test_memory_report_holds_each_ranks_step_peak_to_the_profile_peak(tmp_path):
     assert [r["step_peak_gib"] for r in got["runs"][0]["ranks"]] == [1.0, 2.0]
     assert got["runs"][1]["ranks"][0]["fits"] is False
     assert got["meta"]["git_rev"] == "abc" and got["meta"]["date"] == "2026-12-01"
+
+
+def test_the_reserve_of_vllms_own_config(tmp_path, monkeypatch):
+    """On a real VllmConfig (a small Qwen2: 8 query and 2 KV heads of 8, hidden 64, bf16)
+    the step is read from vLLM's fields: the scheduler's token budget, the model's heads."""
+    from helpers import real_vllm_config
+    from vllm.config import SchedulerConfig
+
+    config = real_vllm_config(tmp_path, monkeypatch, dict(prefill_context_parallel_size=2),
+                              scheduler_config=SchedulerConfig(
+                                  max_num_batched_tokens=4096, max_model_len=4096,
+                                  is_encoder_decoder=False))
+    shape = StepShape(tokens=4096, rows=4096, context_rows=0, pcp=2, dcp=1, num_q_heads=8,
+                      num_kv_heads=2, head_dim=8, hidden_size=64, dtype_bytes=2)
+    assert split_step_reserve_bytes(config) == step_bytes(shape) == restore_bytes(shape)

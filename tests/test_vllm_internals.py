@@ -977,7 +977,7 @@ def test_config_fields_the_plugin_reads_exist(make_config):
     config = make_config(prefill_context_parallel_size=2)
     paths = set()
     for module in ("vllm_pcp.config", "vllm_pcp.runner", "vllm_pcp.backend",
-                   "vllm_pcp.worker"):
+                   "vllm_pcp.worker", "vllm_pcp.pcp.memory"):
         paths |= _config_paths(module)
     assert ("parallel_config", "dcp_comm_backend") in paths  # the parser still works
     unresolved = []

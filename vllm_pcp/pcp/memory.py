@@ -19,7 +19,10 @@ were live at once:
                 queries [N * P, Hq, D] and their partials to and from every rank
     restore     hidden states: [N * P, H] gathered, [T, H] in scheduler order
 
-``"auto"`` may take either exchange in a step, so it is held to the larger.
+``"auto"`` may take either exchange in a step, so it is held to the larger (it takes
+"keys" only where that moves fewer bytes). A forced "keys" exchange in a step whose split
+chunks have several long contexts moves more context rows than one max_model_len: the bound
+covers one.
 """
 from __future__ import annotations
 
@@ -119,9 +122,10 @@ def widest_step(vllm_config) -> StepShape:
     pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
     knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
+    context_rows = (-(-model.max_model_len // pcp) + parallel.cp_kv_cache_interleave_size
+                    if dcp > 1 else 0)  # a shard's rows of one context, and its padding
     return StepShape(
-        tokens=tokens, rows=tokens, context_rows=-(-model.max_model_len // pcp) if dcp > 1
-        else 0, pcp=pcp, dcp=dcp,
+        tokens=tokens, rows=tokens, context_rows=context_rows, pcp=pcp, dcp=dcp,
         num_q_heads=model.get_num_attention_heads(parallel),
         num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
         hidden_size=model.get_hidden_size(), dtype_bytes=model.dtype.itemsize,
