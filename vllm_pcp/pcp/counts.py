@@ -18,8 +18,9 @@ class PCPStepCounts:
     split_steps : steps with a split request (DCP: steps with a PCP plan, i.e. not
         pure decode steps).
     steps_with_rank_without_tokens : split steps in which some rank got no local
-        tokens (a split chunk shorter than ``2 * pcp_world_size``): that rank runs
-        ``P`` pad rows and still takes part in every collective.
+        tokens (under DCP, a split chunk shorter than ``2 * pcp_world_size``; a
+        whole-cache split computes such a chunk whole): that rank runs ``P`` pad rows
+        and still takes part in every collective.
     steps_without_local_tokens : split steps in which this rank got none.
     """
 
