@@ -57,9 +57,10 @@ class PCPSplitMetadata:
     """A layer's attention metadata on a split step with the whole cache on every
     rank (DCP = 1). The cache write all-gathers the step's K/V and writes it with
     the gathered slot mapping; attention is vLLM's FlashInfer over this rank's
-    local rows (``local``). ``local`` is None on a rank with no local rows (N >= 3
-    and a split chunk shorter than 2N tokens): its model input is pad rows only,
-    attention writes zeros, and the layer still joins the exchange."""
+    local rows (``local``). ``local`` is None on a rank with no local rows, a step
+    that :func:`vllm_pcp.pcp.partition.min_chunk_tokens` keeps from happening (every
+    split row has 2 tokens or more): its model input would be pad rows only, attention
+    writes zeros, and the layer still joins the exchange."""
 
     exchange: KVExchange
     slot_mapping: torch.Tensor  # [N * P] gathered layout, -1 where nothing is written
