@@ -224,7 +224,8 @@ def test_the_profile_run_holds_the_reserve_and_the_worker_reports_it(monkeypatch
 
     cuda = SimpleNamespace(memory_allocated=lambda d: stats["allocated"],
                            max_memory_allocated=lambda d: stats["peak"],
-                           reset_peak_memory_stats=lambda d: stats.update(resets=1))
+                           reset_peak_memory_stats=lambda d: stats.update(
+                               resets=stats["resets"] + 1))
     monkeypatch.setattr(runner_mod.torch, "empty", empty)
     monkeypatch.setattr(runner_mod.torch, "cuda", cuda)
     monkeypatch.setattr(GPUModelRunner, "profile_run", stock_profile_run)
@@ -234,7 +235,7 @@ def test_the_profile_run_holds_the_reserve_and_the_worker_reports_it(monkeypatch
     runner.profile_run()
     assert held[0][:2] == (4096, torch.uint8) and seen_alive == [True]
     assert held[0][3]() is None  # freed after the run
-    assert runner.pcp_profile_peak_bytes == 4096 + 500
+    assert runner.pcp_profile_peak_bytes == 4096 + 500 and stats["resets"] == 1
 
     import vllm_pcp.worker as worker_mod
 
@@ -244,7 +245,7 @@ def test_the_profile_run_holds_the_reserve_and_the_worker_reports_it(monkeypatch
     assert worker.pcp_memory(reset=True) == {
         "allocated_bytes": 1000, "peak_allocated_bytes": 1000 + 4096 + 500,
         "profile_peak_bytes": 4096 + 500, "split_step_reserve_bytes": 4096}
-    assert stats["resets"] == 1
+    assert stats["resets"] == 2
 
 
 def test_memory_report_holds_each_ranks_step_peak_to_the_profile_peak(tmp_path):

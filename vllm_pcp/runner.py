@@ -370,10 +370,13 @@ class PCPModelRunner(GPUModelRunner):
         """vLLM's profile run with the widest split step's buffers held beside it
         (:mod:`vllm_pcp.pcp.memory`): the KV cache is sized with them set aside.
         ``pcp_profile_peak_bytes``: the run's peak of torch allocations above what
-        was allocated before it."""
+        was allocated before it (the peak reset first, as vLLM's ``memory_profiling``
+        resets it just before: the same count, also where ``--kv-cache-memory-bytes``
+        skips vLLM's profiling)."""
         reserve = split_step_reserve_bytes(self.vllm_config)
         logger.info("PCP: %.3f GiB held through the profile run for split steps",
                     reserve / (1 << 30))
+        torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         held = torch.empty(reserve, dtype=torch.uint8, device=self.device)
         try:
