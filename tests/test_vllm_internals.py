@@ -1009,3 +1009,8 @@ def test_vllm_sizes_the_kv_cache_from_the_profile_runs_torch_peak():
     assert "allocated_bytes.all.peak" in ast.unparse(profiling)
     runner = _class(_tree("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner")
     assert [a.arg for a in _func(runner, "profile_run").args.args] == ["self"]
+    # memory_profiling resets the peak and measures right before the run: resetting it
+    # again at the run's start changes nothing in vLLM's count
+    body = ast.unparse(_func(_tree("vllm.utils.mem_utils"), "memory_profiling"))
+    reset, measure = body.index("reset_peak_memory_stats"), body.index("before_profile.measure")
+    assert reset < measure < body.index("yield result")
