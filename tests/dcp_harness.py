@@ -94,7 +94,7 @@ def _capture_like_vllm(attn, world, rank, interleave, graph_rows, table):
 def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
                  page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD",
                  graph_rows=None, heads_gathered=False, context_exchange="queries",
-                 context_written_in_step=None):
+                 context_written_in_step=None, around_attention=None):
     """Each rank's restored output (in the attention's output dtype) and the float32
     reference computed from the same ``dtype``-rounded inputs.
 
@@ -108,7 +108,11 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
 
     ``context_exchange``: how split rows reach their context (``build_dcp_plan``);
     ``context_written_in_step`` (``[R]`` bool): requests whose split rows send their
-    queries whatever the knob, beside others that fetch their context."""
+    queries whatever the knob, beside others that fetch their context.
+
+    ``around_attention(rank)``: a context manager DCP inside TP's attention runs in."""
+    import contextlib
+
     full, q = make_batch(hq, hkv, dim, world * 100 + interleave, computed, scheduled)
     full = [(k.to(dtype).float(), v.to(dtype).float()) for k, v in full]
     q = q.to(dtype).float()
@@ -140,7 +144,10 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
         if heads_gathered:
             heads = hq // world
             mine = q_step[:, rank * heads:(rank + 1) * heads]
-            return attn.run_heads_gathered(step, group.rank(rank), mine, k_step, v_step, cache).cpu()
+            with (around_attention or (lambda r: contextlib.nullcontext()))(rank):
+                out = attn.run_heads_gathered(step, group.rank(rank), mine, k_step, v_step,
+                                              cache)
+            return out.cpu()
         if plan.decode is not None:  # the runner's decode step: step order, no restore
             return attn.run(step, group.rank(rank), q_step, None, None, cache).cpu()
         local = plan.pcp.local_token_indices.to(device)

@@ -168,6 +168,34 @@ def test_a_dcp_layer_holds_at_most_the_bound(float32_flashinfer, monkeypatch, wo
         assert 0.4 * bound <= mode.peak <= bound, (rank, mode.peak, bound)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_dcp_inside_tp_holds_at_most_the_bound(float32_flashinfer, monkeypatch, world):
+    """-tp N -dcp N (PCP = 1): each rank's attention, its query heads gathered, holds no
+    more than :func:`heads_gathered_bytes` of the step and no less than 0.4 of it."""
+    import sys
+
+    from dcp_harness import SCHEDULED, run_dcp_step
+    from vllm_pcp.pcp.memory import heads_gathered_bytes
+
+    fake = sys.modules["flashinfer"]
+    for name in ("BatchPrefillWithRaggedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+                 "BatchDecodeWithPagedKVCacheWrapper"):
+        cls = getattr(fake, name)
+        monkeypatch.setattr(cls, "run", kernel(cls.run))
+    for name in ("merge_state", "merge_states", "merge_state_in_place"):
+        monkeypatch.setattr(fake, name, kernel(getattr(fake, name)))
+    modes = {}
+    run_dcp_step(world, 8, 2, "cpu", torch.float32, hq=8, hkv=2, dim=16, heads_gathered=True,
+                 around_attention=lambda rank: modes.setdefault(rank, LiveBytes()))
+    shape = StepShape(tokens=sum(SCHEDULED), rows=sum(SCHEDULED), context_rows=0, pcp=1,
+                      dcp=world, num_q_heads=8 // world, num_kv_heads=2, head_dim=16,
+                      hidden_size=128, dtype_bytes=4)
+    bound = heads_gathered_bytes(shape)
+    assert step_bytes(shape) == bound  # nothing split, nothing restored
+    for rank, mode in modes.items():
+        assert 0.4 * bound <= mode.peak <= bound, (rank, mode.peak, bound)
+
+
 def test_the_reserve_takes_the_widest_step_and_the_larger_exchange_under_auto():
     """P = T (short prefills beside one split chunk), Pc = max_model_len / N and the
     interleave's padding; at PCP = 1 nothing."""
@@ -186,6 +214,9 @@ def test_the_reserve_takes_the_widest_step_and_the_larger_exchange_under_auto():
                                additional_config={"pcp_dcp_context_exchange": exchange})
 
     assert split_step_reserve_bytes(config(1, 1)) == 0
+    tp_dcp = StepShape(tokens=8192, rows=8192, context_rows=0, pcp=1, dcp=2, num_q_heads=32,
+                       num_kv_heads=8, head_dim=128, hidden_size=4096, dtype_bytes=2)
+    assert split_step_reserve_bytes(config(1, 2)) == step_bytes(tp_dcp) > 0
     shape = StepShape(tokens=8192, rows=8192, context_rows=0, pcp=2, dcp=1, num_q_heads=32,
                       num_kv_heads=8, head_dim=128, hidden_size=4096, dtype_bytes=2)
     assert split_step_reserve_bytes(config(2, 1)) == step_bytes(shape) == restore_bytes(shape)
