@@ -270,17 +270,22 @@ def features_table(doc: dict) -> str:
 
 
 def teacher_table(doc: dict) -> str:
-    """A markdown table of exactness-teacher.json: per configuration (floors first) the
-    scored positions and the |logprob difference| at max and p99, and positions over 1."""
-    summary = doc["summary"]
+    """A markdown table of exactness-teacher.json: per model and configuration (the model's
+    floors first) the scored positions, the |logprob difference| at max and p99, positions
+    over 1, and whether the configuration meets its goal (``-``: no verdict)."""
     rows = []
-    for kind, group in (("noise floor", summary["noise_floor"]), ("plugin", summary["configs"])):
-        for label, stats in group.items():
-            rows.append([label, kind] + (["failed"] * 4 if stats is None else [
-                str(stats["positions"]), f"{stats['max_abs_logprob_diff']:.4g}",
-                f"{stats['p99_abs_logprob_diff']:.4g}", str(stats["positions_over_1"])]))
-    return _table(rows, ["comparison", "kind", "positions", "max", "p99", "over 1.0"],
-                  text_columns=2)
+    for model, summary in doc["summary"]["models"].items():
+        goal = summary["goal"]
+        for kind, group in (("noise floor", summary["noise_floor"]),
+                            ("plugin", summary["configs"])):
+            for label, stats in group.items():
+                verdict = goal.get(label.split(" vs ")[0]) if kind == "plugin" else None
+                rows.append([label, model, kind] + (["failed"] * 4 if stats is None else [
+                    str(stats["positions"]), f"{stats['max_abs_logprob_diff']:.4g}",
+                    f"{stats['p99_abs_logprob_diff']:.4g}", str(stats["positions_over_1"])])
+                    + [{True: "yes", False: "no"}.get(verdict, "-")])
+    return _table(rows, ["comparison", "model", "kind", "positions", "max", "p99", "over 1.0",
+                         "goal"], text_columns=3)
 
 
 def generated_tables(root: str) -> dict[str, list[str]]:

@@ -76,7 +76,8 @@ def _teacher_case_rows(model: str, label: str, run: dict, base: dict) -> tuple[l
 
 def _teacher_rows(runs: dict) -> tuple[list, list, dict]:
     """Rows of every configuration against its baseline, rows of the floors, and per
-    configuration the differences of each of its cases (None: a run or case failed)."""
+    (model, configuration) the differences of each of its cases (None: a run or case
+    failed)."""
     rows, floor_rows, pooled = [], [], {}
     for (model, variant, config), run in sorted(runs.items()):
         base_config = _teacher_base(config)
@@ -92,7 +93,7 @@ def _teacher_rows(runs: dict) -> tuple[list, list, dict]:
         else:
             new, diffs = _teacher_case_rows(model, label, run, base)
         (floor_rows if config in TEACHER_FLOORS else rows).extend(new)
-        pooled.setdefault(config, []).extend(diffs)
+        pooled.setdefault((model, config), []).extend(diffs)
     return rows, floor_rows, pooled
 
 
@@ -104,15 +105,32 @@ def _pooled_stats(case_diffs: list) -> dict | None:
     return {"cases": len(case_diffs), **diff_stats(np.concatenate(case_diffs))}
 
 
-def _teacher_summary(pooled: dict) -> dict:
-    """Per configuration its pooled stats (None: failed), the floors apart, and the goal."""
+def _model_summary(pooled: dict) -> dict:
+    """One model's configurations (config -> the differences of its cases): each one's
+    pooled stats (None: failed), the floors apart, and the goal over the layouts this
+    model ran (a model's own floors: rounding depends on its shape)."""
     stats = {config: _pooled_stats(diffs) for config, diffs in pooled.items()}
     measured = {c: s for c, s in stats.items() if c not in TEACHER_FLOORS}
+    factors = {c: f for c, f in TEACHER_GOALS.items() if c in measured}
     return {"noise_floor": {f"{c} vs {TEACHER_FLOORS[c]}": stats[c]
                             for c in TEACHER_FLOORS if c in stats},
             "configs": {f"{c} vs {_teacher_base(c)}": s for c, s in measured.items()},
-            "goal": teacher_goal({c: stats.get(c) for c in GOAL_FLOORS}, measured,
-                                 TEACHER_GOALS)}
+            "goal": teacher_goal({c: stats.get(c) for c in GOAL_FLOORS}, measured, factors)}
+
+
+def _teacher_summary(pooled: dict) -> dict:
+    """Per model :func:`_model_summary`; ``goal_met`` over the models (False if one
+    misses it, None if one has no verdict); ``not_measured``: the goal's layouts no
+    model ran."""
+    models = sorted({model for model, _ in pooled})
+    per = {m: _model_summary({c: d for (mm, c), d in pooled.items() if mm == m})
+           for m in models}
+    mets = [s["goal"]["met"] for s in per.values()]
+    ran = {c for _, c in pooled}
+    return {"models": per,
+            "goal_met": False if False in mets else None if None in mets or not mets
+            else True,
+            "not_measured": sorted(c for c in TEACHER_GOALS if c not in ran)}
 
 
 def teacher(args) -> None:

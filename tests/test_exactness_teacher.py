@@ -282,14 +282,17 @@ def test_teacher_writes_cases_floors_and_the_goal(tmp_path):
                           "pcp2-dcp2-i16 vs pcp1-v1, chunked"}
     assert [c["config"] for c in result["noise_floor_cases"]] == [
         "pcp1-flash-attn vs pcp1, chunked", "pcp1-graphs vs pcp1, chunked"]
-    summary = result["summary"]
+    summary = result["summary"]["models"]["m"]
     assert summary["noise_floor"]["pcp1-graphs vs pcp1"]["max_abs_logprob_diff"] == 0.25
     assert summary["configs"]["pcp2-dcp2-i16 vs pcp1-v1"] is None
     assert summary["configs"]["pcp2-dcp2-i1 vs pcp1-v1"]["cases"] == 1
     goal = summary["goal"]
     assert goal["larger_floor"]["max_abs_logprob_diff"] == 0.25
     assert (goal["pcp2"], goal["pcp2-dcp2-i1"], goal["pcp2-dcp2-i16"]) == (True, True, False)
+    assert "pcp4" not in goal  # the goal is over the layouts the model ran
     assert goal["no_position_over_1"] is True and goal["met"] is False
+    assert result["summary"]["goal_met"] is False
+    assert "pcp4" in result["summary"]["not_measured"]
 
 
 def test_teacher_marks_cases_that_cannot_be_compared(tmp_path):
@@ -303,8 +306,10 @@ def test_teacher_marks_cases_that_cannot_be_compared(tmp_path):
                                note="", date=""))
     result = json.loads(out.read_text())
     assert "scored positions differ" in result["cases"][0]["error"]
-    assert result["summary"]["configs"]["pcp2 vs pcp1-v1"] is None
-    assert result["summary"]["goal"]["pcp2"] is None  # no floors were run
+    model = result["summary"]["models"]["m"]
+    assert model["configs"]["pcp2 vs pcp1-v1"] is None
+    assert model["goal"]["pcp2"] is None  # no floors were run
+    assert result["summary"]["goal_met"] is None
 
 
 def test_cases_the_baseline_scored_on_other_prompts_are_left_out_of_the_pool(tmp_path):
@@ -326,5 +331,31 @@ def test_cases_the_baseline_scored_on_other_prompts_are_left_out_of_the_pool(tmp
     reasons = {c["case"]: c.get("not_compared") for c in result["cases"]}
     assert reasons == {"len_7": None, "mixed": "the baseline ran prompts of [12000] tokens",
                        "len_4099": "the baseline did not run this case"}
-    pooled = result["summary"]["configs"]["pcp2 vs pcp1-v1"]
+    pooled = result["summary"]["models"]["m"]["configs"]["pcp2 vs pcp1-v1"]
     assert (pooled["cases"], pooled["max_abs_logprob_diff"]) == (1, 0.5)
+
+
+def test_each_model_is_held_to_its_own_floors(tmp_path):
+    """Rounding depends on a model's shape: a model whose floors are wide does not widen
+    another's goal, and a model without floors has no verdict."""
+    import check_exactness as ce
+
+    runs = [_scoring_run("pcp1", [-1.0, -2.0]), _scoring_run("pcp1-v1", [-1.0, -2.0]),
+            _scoring_run("pcp1-graphs", [-1.0, -2.125]),
+            _scoring_run("pcp1-flash-attn", [-1.0, -2.0]),
+            _scoring_run("pcp2", [-1.0, -2.25]),  # over m's floor of 0.125
+            _scoring_run("pcp1", [-1.0, -2.0], model="wide"),
+            _scoring_run("pcp1-v1", [-1.0, -2.0], model="wide"),
+            _scoring_run("pcp1-graphs", [-1.0, -2.5], model="wide"),
+            _scoring_run("pcp1-flash-attn", [-1.0, -2.0], model="wide"),
+            _scoring_run("pcp2", [-1.0, -2.25], model="wide"),  # under wide's 0.5
+            _scoring_run("pcp1-v1", [-1.0, -2.0], model="moe"),
+            _scoring_run("pcp2", [-1.0, -2.25], model="moe")]
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"versions": {}, "runs": runs}))
+    out = tmp_path / "teacher.json"
+    ce.teacher(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
+                               note="", date=""))
+    models = json.loads(out.read_text())["summary"]["models"]
+    assert (models["m"]["goal"]["pcp2"], models["wide"]["goal"]["pcp2"]) == (False, True)
+    assert models["moe"]["goal"]["pcp2"] is None and models["moe"]["noise_floor"] == {}
