@@ -68,8 +68,11 @@
 #              prompts of 1K to 64K tokens, a tenth cancelled mid-stream, for
 #              SOAK_DURATION_S (default 420: the stage takes about 10 minutes, a 600 s
 #              soak about 13), then greedy texts against a -pcp 1 server's;
-#              MODEL_SOAK (default Qwen2.5-Coder-0.5B, 64K allowed past its 32K);
-#              OUT_DIR/serve-soak.json
+#              MODEL_SOAK (default Qwen2.5-Coder-0.5B, 64K allowed past its 32K); with
+#              fewer than 2 GPUs (the ranks share one over NCCL's sockets) the load
+#              scales to 16 clients, prompts of 1K to 16K, 180 s (SOAK_CONCURRENCY,
+#              SOAK_PROMPT_LENS, SOAK_DURATION_S override; serve-soak.json's plan
+#              records it); OUT_DIR/serve-soak.json
 #   faults     bad requests at -pcp 1, -pcp 2, -pcp 2 -dcp 2 (scripts/serve_faults.py,
 #              answers held to -pcp 1's), then at -pcp 2 and -pcp 2 -dcp 2 a worker
 #              killed mid-prefill (FAULTS_CONFIGS picks them); MODEL_FAULTS;
@@ -310,6 +313,9 @@ EOF
     exit "$rc" ;;
   soak)  # the -pcp 1 reference answers while the soak servers start; soaks side by side
     share_gpus
+    if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ]; then
+      : "${SOAK_CONCURRENCY:=16}" "${SOAK_PROMPT_LENS:=1024,4096,16384}" "${SOAK_DURATION_S:=180}"
+    fi
     model=${MODEL_SOAK:-/tmp/models/qwen2.5-coder-0.5b}
     export VLLM_ALLOW_LONG_MAX_MODEL_LEN=1  # 64K prompts are load here; texts stay short
     soak_flags=(--gpu-memory-utilization 0.05 --seed 0 --max-model-len 65792 --max-num-seqs 64

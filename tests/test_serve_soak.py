@@ -220,3 +220,25 @@ def test_the_soak_stage_serves_each_configuration_and_merges_their_results(tmp_p
     merge = next(c["argv"] for c in calls if c["argv"][0] == "merge")
     assert merge[1:3] == [str(work / "soak-pcp2.json"), str(work / "soak-pcp2-dcp2.json")]
     assert (tmp_path / "out" / "serve-soak.json").exists()
+
+
+def test_with_ranks_sharing_a_gpu_the_soak_scales_its_load(tmp_path):
+    """Fewer GPUs than the two a -pcp 2 server takes: 16 clients, prompts up to 16K,
+    180 s, unless the variables say otherwise."""
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("a GPU per rank here: the soak keeps its full load")
+    res, calls = serve_stage_stub.run_stage(tmp_path, "soak")
+    assert res.returncode == 0, res.stderr
+    run = next(c["argv"] for c in calls if c["script"] == "serve_soak.py"
+               and serve_stage_stub.flag(c["argv"], "--name") == "pcp2")
+    assert [serve_stage_stub.flag(run, f) for f in ("--concurrency", "--prompt-lens",
+                                                    "--duration-s")] == ["16",
+                                                                         "1024,4096,16384",
+                                                                         "180"]
+    (tmp_path / "b").mkdir()
+    res, calls = serve_stage_stub.run_stage(tmp_path / "b", "soak", SOAK_CONCURRENCY="8")
+    run = next(c["argv"] for c in calls if c["script"] == "serve_soak.py"
+               and serve_stage_stub.flag(c["argv"], "--name") == "pcp2")
+    assert serve_stage_stub.flag(run, "--concurrency") == "8"
