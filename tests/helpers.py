@@ -122,13 +122,28 @@ class _NoKernel:
         return lambda *args, **kwargs: None
 
 
+def local_attention_metadata(plan, block_table: torch.Tensor):
+    """vLLM's ``CommonAttentionMetadata`` of a PCP plan's local rows (``plan``: a
+    ``PrefillContextParallelMetadata``), as the runner builds it for the stock builder."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
+    return CommonAttentionMetadata(
+        query_start_loc=plan.query_start_loc, query_start_loc_cpu=plan.query_start_loc,
+        seq_lens=plan.seq_lens, _seq_lens_cpu=plan.seq_lens,
+        _num_computed_tokens_cpu=plan.seq_lens - q_lens,
+        seq_lens_cpu_upper_bound=plan.seq_lens, num_reqs=plan.num_rows,
+        num_actual_tokens=plan.num_local_tokens, max_query_len=plan.max_query_len,
+        max_seq_len=int(plan.seq_lens.max()), causal=True, block_table_tensor=block_table,
+        slot_mapping=torch.zeros(plan.num_local_tokens, dtype=torch.int64))
+
+
 def plan_split_rows(builder, monkeypatch, rank: int):
     """vLLM's FlashInfer builder ``builder`` on rank ``rank``'s local rows of a 64-token
     prompt split over 2 ranks, FlashInfer's kernels replaced by recorders: the rank's PCP
     plan, the built metadata, and the arguments of the prefill wrapper's ``plan``."""
     import vllm.v1.attention.backends.flashinfer as flashinfer
     from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
 
@@ -138,16 +153,8 @@ def plan_split_rows(builder, monkeypatch, rank: int):
     monkeypatch.setattr(flashinfer, "use_trtllm_attention", lambda *a, **k: False)
     monkeypatch.setattr(_RecordingPrefillWrapper, "plans", [])
     plan = build_pcp_metadata_all_ranks([0], [64], 2, min_split_tokens=2)[rank]
-    q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
-    cm = CommonAttentionMetadata(
-        query_start_loc=plan.query_start_loc, query_start_loc_cpu=plan.query_start_loc,
-        seq_lens=plan.seq_lens, _seq_lens_cpu=plan.seq_lens,
-        _num_computed_tokens_cpu=plan.seq_lens - q_lens,
-        seq_lens_cpu_upper_bound=plan.seq_lens, num_reqs=plan.num_rows,
-        num_actual_tokens=plan.num_local_tokens, max_query_len=plan.max_query_len,
-        max_seq_len=int(plan.seq_lens.max()), causal=True,
-        block_table_tensor=torch.arange(4, dtype=torch.int32).repeat(plan.num_rows, 1),
-        slot_mapping=torch.zeros(plan.num_local_tokens, dtype=torch.int64))
+    cm = local_attention_metadata(
+        plan, torch.arange(4, dtype=torch.int32).repeat(plan.num_rows, 1))
     with set_current_vllm_config(builder.vllm_config):
         metadata = builder.build(common_prefix_len=0, common_attn_metadata=cm)
     [planned] = _RecordingPrefillWrapper.plans

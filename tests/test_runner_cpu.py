@@ -626,7 +626,8 @@ def test_split_rows_keep_the_kernel_one_gpu_attends_them_with(monkeypatch, world
     a 6,003-token prompt (a prefix hit) and a 7-token one stay whole, the 40-token one
     is split into rows of at least 2 tokens, decodes stay decodes."""
     import vllm.v1.attention.backends.utils as attn_utils
-    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from helpers import local_attention_metadata
 
     computed, prompts = [30, 6000, 6000, 8000], [30, 6003, 6007, 20000]
     scheduled = np.array([1, 3, 7, 40], np.int32)
@@ -640,16 +641,7 @@ def test_split_rows_keep_the_kernel_one_gpu_attends_them_with(monkeypatch, world
         runner._prepare_inputs(None, scheduled)
         plan = runner._step.plan
         assert plan.num_split_requests == 1
-        q_lens = plan.query_start_loc[1:] - plan.query_start_loc[:-1]
-        cm = CommonAttentionMetadata(
-            query_start_loc=plan.query_start_loc, query_start_loc_cpu=plan.query_start_loc,
-            seq_lens=plan.seq_lens, _seq_lens_cpu=plan.seq_lens,
-            _num_computed_tokens_cpu=plan.seq_lens - q_lens,
-            seq_lens_cpu_upper_bound=plan.seq_lens, num_reqs=plan.num_rows,
-            num_actual_tokens=plan.num_local_tokens, max_query_len=plan.max_query_len,
-            max_seq_len=int(plan.seq_lens.max()), causal=True,
-            block_table_tensor=torch.zeros((plan.num_rows, 1), dtype=torch.int32),
-            slot_mapping=torch.zeros(plan.num_local_tokens, dtype=torch.int64))
+        cm = local_attention_metadata(plan, torch.zeros((plan.num_rows, 1), dtype=torch.int32))
         num_decodes, _, _, _ = attn_utils.split_decodes_and_prefills(cm, decode_threshold=1)
         one_gpu_decode = scheduled[plan.row_req_indices.numpy()] <= 1
         assert list(one_gpu_decode) == [i < num_decodes for i in range(plan.num_rows)], rank
