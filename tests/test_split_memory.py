@@ -95,6 +95,20 @@ def test_live_bytes_counts_new_storages_until_freed_and_skips_views():
     del b, c
 
 
+def _count_fake_kernels_by_results(monkeypatch) -> None:
+    """The stand-in FlashInfer of ``float32_flashinfer``: its wrappers' runs and its merges
+    counted by :func:`kernel`."""
+    import sys
+
+    fake = sys.modules["flashinfer"]
+    for name in ("BatchPrefillWithRaggedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+                 "BatchDecodeWithPagedKVCacheWrapper"):
+        cls = getattr(fake, name)
+        monkeypatch.setattr(cls, "run", kernel(cls.run))
+    for name in ("merge_state", "merge_states", "merge_state_in_place"):
+        monkeypatch.setattr(fake, name, kernel(getattr(fake, name)))
+
+
 class _Group:
     """``world_size`` ranks whose all-gather returns every rank's tensor as this one's."""
 
@@ -137,8 +151,6 @@ def test_a_dcp_layer_holds_at_most_the_bound(float32_flashinfer, monkeypatch, wo
     counted: its forward holds no more than :func:`dcp_layer_bytes` of the step's P and
     Pc, and no less than 0.4 of it (the bound counts every buffer as live at once; 0.54
     to 0.73 of it here)."""
-    import sys
-
     import vllm.v1.attention.backends.flashinfer as vllm_flashinfer
 
     from dcp_harness import COMPUTED, SCHEDULED
@@ -146,13 +158,7 @@ def test_a_dcp_layer_holds_at_most_the_bound(float32_flashinfer, monkeypatch, wo
     from test_dcp_attention_cpu import _torch_cache_write
     from vllm_pcp.dcp.plan import build_dcp_plan
 
-    fake = sys.modules["flashinfer"]
-    for name in ("BatchPrefillWithRaggedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-                 "BatchDecodeWithPagedKVCacheWrapper"):
-        cls = getattr(fake, name)
-        monkeypatch.setattr(cls, "run", kernel(cls.run))
-    for name in ("merge_state", "merge_states", "merge_state_in_place"):
-        monkeypatch.setattr(fake, name, kernel(getattr(fake, name)))
+    _count_fake_kernels_by_results(monkeypatch)
     monkeypatch.setattr(vllm_flashinfer, "can_use_trtllm_attention", lambda *a, **k: False)
     monkeypatch.setattr(vllm_flashinfer.FlashInferImpl, "do_kv_cache_update",
                         kernel(_torch_cache_write))
@@ -172,18 +178,10 @@ def test_a_dcp_layer_holds_at_most_the_bound(float32_flashinfer, monkeypatch, wo
 def test_dcp_inside_tp_holds_at_most_the_bound(float32_flashinfer, monkeypatch, world):
     """-tp N -dcp N (PCP = 1): each rank's attention, its query heads gathered, holds no
     more than :func:`heads_gathered_bytes` of the step and no less than 0.4 of it."""
-    import sys
-
     from dcp_harness import SCHEDULED, run_dcp_step
     from vllm_pcp.pcp.memory import heads_gathered_bytes
 
-    fake = sys.modules["flashinfer"]
-    for name in ("BatchPrefillWithRaggedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-                 "BatchDecodeWithPagedKVCacheWrapper"):
-        cls = getattr(fake, name)
-        monkeypatch.setattr(cls, "run", kernel(cls.run))
-    for name in ("merge_state", "merge_states", "merge_state_in_place"):
-        monkeypatch.setattr(fake, name, kernel(getattr(fake, name)))
+    _count_fake_kernels_by_results(monkeypatch)
     modes = {}
     run_dcp_step(world, 8, 2, "cpu", torch.float32, hq=8, hkv=2, dim=16, heads_gathered=True,
                  around_attention=lambda rank: modes.setdefault(rank, LiveBytes()))
