@@ -99,16 +99,12 @@ class PCPFlashInferImpl(FlashInferImpl):
         unapplied = _unapplied_settings(self) if pcp > 1 or dcp > 1 else []
         unplanned = _dcp_unplanned_settings(self) if dcp > 1 else []
         if pcp > 1 and dcp == 1 and self.kv_cache_dtype not in pcp_config.PCP_CACHE_DTYPES:
-            from vllm_pcp.config import PCPConfigError, pcp_kv_dtype_refusal
-
-            raise PCPConfigError("vllm-pcp cannot run an attention layer with a "
-                                 f"{self.kv_cache_dtype} KV cache: "
-                                 + pcp_kv_dtype_refusal(self.kv_cache_dtype, pcp))
+            raise pcp_config.PCPConfigError(
+                f"vllm-pcp cannot run an attention layer with a {self.kv_cache_dtype} KV "
+                "cache: " + pcp_config.pcp_kv_dtype_refusal(self.kv_cache_dtype, pcp))
         if unapplied or unplanned:
-            from vllm_pcp.config import cp_layer_error, dcp_layer_error
-
-            raise (cp_layer_error(unapplied + unplanned, pcp, dcp) if unapplied else
-                   dcp_layer_error(unplanned, pcp, dcp))
+            raise (pcp_config.cp_layer_error(unapplied + unplanned, pcp, dcp) if unapplied
+                   else pcp_config.dcp_layer_error(unplanned, pcp, dcp))
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor,
                            value: torch.Tensor, kv_cache: torch.Tensor,
@@ -184,10 +180,9 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         parallel = vllm_config.parallel_config
         if parallel.prefill_context_parallel_size == 1 and \
                 parallel.decode_context_parallel_size > 1:
-            from vllm_pcp.config import WORKER_CLS, stock_flashinfer_dcp_error
-
-            if parallel.worker_cls != WORKER_CLS:  # FlashInfer picked by vLLM, not named
-                raise stock_flashinfer_dcp_error(parallel.decode_context_parallel_size)
+            if parallel.worker_cls != pcp_config.WORKER_CLS:  # FlashInfer picked by vLLM
+                raise pcp_config.stock_flashinfer_dcp_error(
+                    parallel.decode_context_parallel_size)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if self.dcp_world_size > 1 and not self.global_hyperparameters.has_same_all_params:
             _refuse_mixed_scales(vllm_config, layer_names)
@@ -244,8 +239,6 @@ def _dcp_unplanned_settings(impl: FlashInferImpl) -> list[str]:
     """The layer's settings that vllm-pcp's DCP attention does not plan: a sliding
     window (FlashInferImpl keeps ``(window - 1, 0)``, ``(-1, -1)`` for none), a logits
     soft cap, attention sinks, a quantized KV cache."""
-    from vllm_pcp.config import DCP_CACHE_DTYPES
-
     out = []
     if impl.sliding_window not in (None, (-1, -1)):
         out.append(f"a sliding window of {impl.sliding_window[0] + 1} tokens")
@@ -253,7 +246,7 @@ def _dcp_unplanned_settings(impl: FlashInferImpl) -> list[str]:
         out.append(f"logits_soft_cap {impl.logits_soft_cap}")
     if impl.sinks is not None:
         out.append("attention sinks")
-    if impl.kv_cache_dtype not in DCP_CACHE_DTYPES:
+    if impl.kv_cache_dtype not in pcp_config.DCP_CACHE_DTYPES:
         out.append(f"a {impl.kv_cache_dtype} KV cache")
     return out
 
@@ -263,11 +256,9 @@ def _refuse_mixed_scales(vllm_config, layer_names: list[str]) -> None:
     only setting left to differ: the layers refuse windows, soft caps and sinks)."""
     from vllm.v1.attention.backends.utils import get_per_layer_parameters
 
-    from vllm_pcp.config import dcp_scales_error
-
     parallel = vllm_config.parallel_config
     params = get_per_layer_parameters(vllm_config, layer_names, FlashInferImpl).values()
-    raise dcp_scales_error(sorted({p.sm_scale for p in params}),
+    raise pcp_config.dcp_scales_error(sorted({p.sm_scale for p in params}),
                            parallel.prefill_context_parallel_size,
                            parallel.decode_context_parallel_size)
 
