@@ -23,7 +23,8 @@
 #              sliding windows); models from /tmp/pcp-models (4 layers), the 36-layer
 #              Qwen2.5-3B shape (tp4-pcp2-dcp2-i8) and SmolLM2; PROOF_BASE_JOBS and
 #              PROOF_JOBS override the engines, PROOF_LANES (5) how many run at once,
-#              PROOF_BASE_RAW takes the baselines from an earlier run's raw-base.json. On a
+#              PROOF_BASE_RAW takes the baselines from an earlier run's raw-base.json,
+#              PROOF_FEATURE_BASE_RAW the feature baselines (raw-features-base.json). On a
 #              host with fewer GPUs than a layout's ranks they share them
 #              (tests/engine/shared_gpu.py; outputs only, never speed).
 #              OUT_DIR/exactness-pcp.json, exactness-dcp.json, exactness-features.json,
@@ -129,8 +130,8 @@ proof_results() {  # WORK OUT: the engine proof's result files from its raw file
     --out "$2/exactness-features.json"
   ex teacher --raw "$1"/raw-base.json "$1"/raw-proof.json --git-rev "$rev" --command "$what" \
     --out "$2/exactness-teacher.json"
-  python3 "$here/memory_report.py" --raw "$1"/raw-proof.json --git-rev "$rev" \
-    --command "$what" --out "$2/memory.json"
+  python3 "$here/memory_report.py" --raw "$1"/raw-proof.json "$1"/raw-features.json \
+    --git-rev "$rev" --command "$what" --out "$2/memory.json"  # forced exchanges: features
 }
 pack() {  # profiler traces left out (hundreds of MB); their per-step tables go in
   tar czf "$out/$stage.tgz" --exclude='*.pt.trace.json*' -C "$(dirname "$work")" "$stage"
@@ -194,10 +195,14 @@ EOF
     base+=,$s:unchunked:pcp1-v1,$m:chunked:pcp1-v1,$e:chunked:pcp1-v1:$f
     base+=,$r-full:chunked:pcp1-v1
     # the feature baselines are read only by the comparison: they run beside both phases
-    feats --lanes 1 --one-gpu-lanes 2 --models $r --variants chunked \
-      --configs "${PROOF_FEATURE_BASE:-pcp1-v1-fp8,pcp1-v1-preempt}" \
-      --raw "$work/raw-features-base.json" \
-      > "$work/features-base.log" 2>&1 &
+    if [ -n "${PROOF_FEATURE_BASE_RAW:-}" ]; then  # an earlier run's, same versions
+      cp "$PROOF_FEATURE_BASE_RAW" "$work/raw-features-base.json"
+    else
+      feats --lanes 1 --one-gpu-lanes 2 --models $r --variants chunked \
+        --configs "${PROOF_FEATURE_BASE:-pcp1-v1-fp8,pcp1-v1-preempt}" \
+        --raw "$work/raw-features-base.json" \
+        > "$work/features-base.log" 2>&1 &
+    fi
     if [ -n "${PROOF_BASE_RAW:-}" ]; then  # baselines of an earlier run, same versions
       cp "$PROOF_BASE_RAW" "$work/raw-base.json"
     else
