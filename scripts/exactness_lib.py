@@ -7,6 +7,8 @@ token is among the other side's top-k logprobs.
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 MAX_TOKENS = 32
@@ -127,6 +129,13 @@ def continuations_of(results: list[dict]) -> dict[str, dict]:
     return {res["case"]: {"prompt_lens": res["prompt_lens"],
                           "token_ids": [out["token_ids"] for out in res["outputs"]]}
             for res in results}
+
+
+def continuation_digest(token_ids: list[int]) -> str:
+    """A short digest of one continuation's token ids: a scoring records what it scored,
+    so that two scorings of different continuations (a baseline's outputs that changed
+    between runs) are never compared."""
+    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
 
 
 def teacher_prompts(prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:

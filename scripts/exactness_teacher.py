@@ -47,6 +47,16 @@ def _teacher_base(config: str) -> str | None:
     return TEACHER_FLOORS.get(config) or BASELINE.get(config)
 
 
+def _scored_other_continuations(res: dict, base_res: dict) -> str | None:
+    """Why two scorings of a case are of different continuations, None where both
+    scored the same ones, or where either one predates the digests."""
+    ours, theirs = res.get("continuation_digests"), base_res.get("continuation_digests")
+    if ours is None or theirs is None or ours == theirs:
+        return None
+    return ("the baseline scored other continuations (its outputs changed between the "
+            "run that scored them and the run this one scored)")
+
+
 def _teacher_case_rows(model: str, label: str, run: dict, base: dict) -> tuple[list, list]:
     """One row per scored case of ``run`` against the same case of ``base``, and each
     case's |logprob differences| (None where the two scorings disagree in shape); a case
@@ -59,7 +69,8 @@ def _teacher_case_rows(model: str, label: str, run: dict, base: dict) -> tuple[l
     for res in run["scores"]:
         row = {"model": model, "config": label, "case": res["case"],
                "prompt_lens": res["prompt_lens"]}
-        reason = comparable(res, base_cases)
+        reason = comparable(res, base_cases) or _scored_other_continuations(
+            res, base_cases[res["case"]])
         if reason:
             rows.append({**row, "not_compared": reason})
             continue

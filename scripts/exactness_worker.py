@@ -12,9 +12,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exactness_lib import (MAX_TOKENS, build_cases, continuations_of,  # noqa: E402
-                           render_gsm8k, teacher_continuations, teacher_prompts,
-                           text_prompt)
+from exactness_lib import (MAX_TOKENS, build_cases, continuation_digest,  # noqa: E402
+                           continuations_of, render_gsm8k, teacher_continuations,
+                           teacher_prompts, text_prompt)
 from exactness_features import (ENGINE_START_MARK, add_feature_args,  # noqa: E402
                                 engine_feature_args, run_feature_group)
 from kv_capacity import kv_bytes_per_token, pool_tokens  # noqa: E402
@@ -144,6 +144,8 @@ def score_cases(llm, cases, continuations: dict[str, dict]) -> list[dict]:
                         "scores": [given_token_logprobs(o.prompt_logprobs, f, n, c)
                                    for o, f, n, c in zip(outs, full, prompt_lens, cached)],
                         "cached_tokens": cached,
+                        "continuation_digests": [continuation_digest(c)
+                                                 for c in source["token_ids"]],
                         "seconds": round(time.perf_counter() - start, 3)})
         print(f"case {case['case']}: scored in {results[-1]['seconds']} s", flush=True)
     return results
@@ -230,21 +232,30 @@ def _per_rank(llm, method: str, *args) -> list | None:
 def run_groups(llm, args, cases, max_prompt_len: int, vocab_size: int,
                tokenizer) -> dict:
     """The ``--cases`` groups on one engine, then ``--teacher``'s scoring: the worker's
-    output keys ``results`` (standard cases), ``feature_results`` and ``scores``."""
+    output keys ``results`` (standard cases), ``feature_results``, ``scores``, and
+    ``memory``: each rank's memory at the start and after each of the three, its peak
+    reset between them (scripts/memory_report.py tells the split steps' peak from that
+    of vLLM's prompt-logprob logits, which the scoring computes)."""
     groups = [g for g in args.cases.split(",") if g and g != "none"]
     out: dict = {}
+    at_start = _per_rank(llm, "pcp_memory", True)
+    phases = {}
     if "standard" in groups:
         out["results"] = run_cases(llm, cases, args.max_tokens)
+        phases["standard"] = _per_rank(llm, "pcp_memory", True)
     features = [g for g in groups if g != "standard"]
     if features:
         out["feature_results"] = [
             res for g in features for res in run_feature_group(
                 llm, g, max_prompt_len, vocab_size, args.max_tokens, tokenizer)]
+        phases["features"] = _per_rank(llm, "pcp_memory", True)
     if args.teacher:
         try:
             out["scores"] = _score(llm, args, cases, out)
         except (RuntimeError, ValueError) as exc:  # the cases above stay recorded
             out["scores_error"] = repr(exc)
+        phases["scoring"] = _per_rank(llm, "pcp_memory", True)
+    out["memory"] = at_start and {"at_start": at_start, "phases": phases}
     return out
 
 
@@ -300,11 +311,8 @@ def main() -> None:
                    if args.text_prompts else None)
     max_prompt_len = max_model_len - args.max_tokens - 8
     cases = build_cases(max_prompt_len, hf["vocab_size"], make_prompt)
-    memory_at_start = _per_rank(llm, "pcp_memory", True)  # the peak reset: the cases' own
     out = run_groups(llm, args, cases, max_prompt_len, hf["vocab_size"],
                      llm.get_tokenizer() if has_tokenizer else None)
-    out["memory"] = memory_at_start and {"at_start": memory_at_start,
-                                         "after_cases": _per_rank(llm, "pcp_memory")}
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "pcp": args.pcp, "tp": args.tp,
                    "variant": args.variant, "cuda_graphs": args.cuda_graphs,

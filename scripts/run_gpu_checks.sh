@@ -114,6 +114,10 @@ layout_flags() {  # VAR NAME [--cuda-graphs | --eager]: VAR=(the vllm serve flag
   _lines=$(python3 "$here/layouts.py" serve-flags "${@:2}") || return
   mapfile -t into <<< "$_lines"
 }
+layout_env() {  # NAME: export the environment NAME's layout runs with (scripts/layouts.py)
+  local kv
+  while read -r kv; do [ -n "$kv" ] && export "$kv"; done < <(python3 "$here/layouts.py" env "$1")
+}
 models=qwen2.5-3b-shape,llama-8kv-hd64,qwen2-mqa-1kv,smollm2
 share_gpus() {  # the checks of vllm serve: ranks share the GPUs where the host has fewer
   eval "$(python3 "$here/../tests/engine/shared_gpu.py" env)"
@@ -366,6 +370,7 @@ EOF
       local name=$1 port=$2 layout
       ( . "$here/serve_lib.sh"
         layout_flags layout "$3" || exit
+        layout_env "$3"
         serve_until_healthy "$port" "$work/$name-server.log" 900 "$model" \
           "${faults_flags[@]}" "${layout[@]}"
         held_to=()
@@ -378,7 +383,9 @@ EOF
           --server-log "$work/$name-server.log" --out "$work/dead-rank-$name.json"
       ) > "$work/faults-$name.log" 2>&1
     }
-    faults_one pcp1 8401 pcp1 &
+    # on the V1 runner the plugin runs (vLLM 0.26.0 runs V2 at PCP = 1, which draws a seeded
+    # request's random numbers otherwise): the seeded n > max_num_seqs case is held to it
+    faults_one pcp1 8401 pcp1-v1 &
     results=("$work/faults-pcp1.json")
     for config in ${FAULTS_CONFIGS:-pcp2 pcp2-dcp2}; do
       case $config in  # every prompt split, the 1-token one too

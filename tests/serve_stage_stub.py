@@ -12,7 +12,8 @@ import subprocess
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
 FAKE_LIB = """serve_until_healthy() {  # PORT LOG WAIT_S MODEL [flags]: recorded, nothing started
   python3 -c 'import json, os, sys; open(os.environ["CALLS"], "a").write(json.dumps(
-      {"script": "serve", "argv": sys.argv[1:]}) + "\\n")' "$@"
+      {"script": "serve", "argv": sys.argv[1:],
+       "v2_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}) + "\\n")' "$@"
   server=$BASHPID
 }
 """

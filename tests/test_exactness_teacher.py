@@ -11,8 +11,9 @@ import pytest
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
 sys.path.insert(0, SCRIPTS)
-from exactness_lib import (abs_logprob_diffs, diff_stats, larger_floor,  # noqa: E402
-                           teacher_continuations, teacher_goal, teacher_prompts)
+from exactness_lib import (abs_logprob_diffs, continuation_digest, diff_stats,  # noqa: E402
+                           larger_floor, teacher_continuations, teacher_goal,
+                           teacher_prompts)
 
 
 def _stats(max_diff, p99, over=0, positions=256):
@@ -203,7 +204,10 @@ def test_worker_scores_each_prompt_followed_by_its_continuation():
     assert [r["case"] for r in results] == [c["case"] for c in cases[:-1]]  # burst: not scored
     for res, case in zip(results, cases):
         assert res["prompt_lens"] == [len(p) for p in case["prompts"]]
-        full = teacher_prompts(case["prompts"], continuations[case["case"]]["token_ids"])
+        given = continuations[case["case"]]["token_ids"]
+        assert res["continuation_digests"] == [continuation_digest(c) for c in given]
+        assert len(set(res["continuation_digests"])) == len(set(map(tuple, given)))
+        full = teacher_prompts(case["prompts"], given)
         assert res["scores"] == [pytest.approx([_score(len(p) + j, f[len(p) + j])
                                                 for j in range(3)])
                                  for p, f in zip(case["prompts"], full)]
@@ -331,6 +335,31 @@ def test_cases_the_baseline_scored_on_other_prompts_are_left_out_of_the_pool(tmp
     reasons = {c["case"]: c.get("not_compared") for c in result["cases"]}
     assert reasons == {"len_7": None, "mixed": "the baseline ran prompts of [12000] tokens",
                        "len_4099": "the baseline did not run this case"}
+    pooled = result["summary"]["models"]["m"]["configs"]["pcp2 vs pcp1-v1"]
+    assert (pooled["cases"], pooled["max_abs_logprob_diff"]) == (1, 0.5)
+
+
+def test_scorings_of_other_continuations_are_never_compared(tmp_path):
+    """A baseline's scores are of the outputs it scored; a run that scored outputs that
+    changed since (a batched case rescheduled) is left out, whatever its numbers."""
+    import check_exactness as ce
+
+    base = _scoring_run("pcp1-v1", [-1.0, -2.0])
+    base["scores"] = [{**base["scores"][0], "continuation_digests": [continuation_digest([5, 6])]},
+                      {**base["scores"][0], "case": "mixed",
+                       "continuation_digests": [continuation_digest([5, 6])]}]
+    run = _scoring_run("pcp2", [-1.0, -2.5])
+    run["scores"] = [{**run["scores"][0], "continuation_digests": [continuation_digest([5, 6])]},
+                     {**run["scores"][0], "case": "mixed", "scores": [[-9.0, -9.0]],
+                      "continuation_digests": [continuation_digest([5, 7])]}]
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"versions": {}, "runs": [base, run]}))
+    out = tmp_path / "teacher.json"
+    ce.teacher(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
+                               note="", date=""))
+    result = json.loads(out.read_text())
+    reasons = {c["case"]: c.get("not_compared") for c in result["cases"]}
+    assert reasons["len_7"] is None and "other continuations" in reasons["mixed"]
     pooled = result["summary"]["models"]["m"]["configs"]["pcp2 vs pcp1-v1"]
     assert (pooled["cases"], pooled["max_abs_logprob_diff"]) == (1, 0.5)
 

@@ -237,8 +237,10 @@ def test_no_worker_processes_is_an_error_not_a_kill(tmp_path, monkeypatch):
 def test_the_faults_stage_holds_pcp2_to_pcp1_and_kills_a_rank_of_each(tmp_path):
     res, calls = serve_stage_stub.run_stage(tmp_path, "faults", FAULTS_CONFIGS="pcp2-dcp2")
     assert res.returncode == 0, res.stderr
-    ports = sorted(c["argv"][0] for c in calls if c["script"] == "serve")
-    assert ports == ["8401", "8403"]
+    servers = {c["argv"][0]: c for c in calls if c["script"] == "serve"}
+    assert sorted(servers) == ["8401", "8403"]
+    # the reference on the V1 runner, as the PCP servers: seeded draws comparable
+    assert servers["8401"]["v2_runner"] == "0" and servers["8403"]["v2_runner"] is None
     work = tmp_path / "checks" / "faults"
     runs = [c["argv"] for c in calls if c["script"] == "serve_faults.py"]
     by = {(a[0], serve_stage_stub.flag(a, "--name")): a for a in runs if a[0] != "merge"}
