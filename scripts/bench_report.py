@@ -123,7 +123,7 @@ def write_reports(raw: dict, meta: dict, out_dir: str) -> dict:
 
 
 LABELS = {"pcp1-stock": "stock vLLM, 1 GPU", "pcp1": "plugin, 1 GPU", "pcp2": "`-pcp 2`",
-          "pcp2-dcp2": "`-pcp 2 -dcp 2`", "tp2": "`-tp 2`"}
+          "pcp2-dcp2": "`-pcp 2 -dcp 2`", "tp2": "`-tp 2`", "tp2-pcp2": "`-tp 2 -pcp 2`"}
 
 
 def _label(config: str) -> str:

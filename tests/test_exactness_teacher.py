@@ -379,7 +379,12 @@ def test_each_model_is_held_to_its_own_floors(tmp_path):
             _scoring_run("pcp1-flash-attn", [-1.0, -2.0], model="wide"),
             _scoring_run("pcp2", [-1.0, -2.25], model="wide"),  # under wide's 0.5
             _scoring_run("pcp1-v1", [-1.0, -2.0], model="moe"),
-            _scoring_run("pcp2", [-1.0, -2.25], model="moe")]
+            _scoring_run("pcp2", [-1.0, -2.25], model="moe"),
+            # vLLM's own expert sharding, the floor of a MoE whose experts -pcp shards
+            _scoring_run("pcp1", [-1.0, -2.0], model="moe-tp"),
+            _scoring_run("pcp1-v1", [-1.0, -2.0], model="moe-tp"),
+            _scoring_run("tp2", [-1.0, -2.5], model="moe-tp"),
+            _scoring_run("pcp2", [-1.0, -2.25], model="moe-tp")]
     raw = tmp_path / "raw.json"
     raw.write_text(json.dumps({"versions": {}, "runs": runs}))
     out = tmp_path / "teacher.json"
@@ -388,3 +393,6 @@ def test_each_model_is_held_to_its_own_floors(tmp_path):
     models = json.loads(out.read_text())["summary"]["models"]
     assert (models["m"]["goal"]["pcp2"], models["wide"]["goal"]["pcp2"]) == (False, True)
     assert models["moe"]["goal"]["pcp2"] is None and models["moe"]["noise_floor"] == {}
+    moe_tp = models["moe-tp"]["goal"]
+    assert moe_tp["pcp2"] is True and moe_tp["larger_floor"]["max_abs_logprob_diff"] == 0.5
+    assert models["m"]["goal"]["larger_floor"]["max_abs_logprob_diff"] == 0.125  # no tp2
