@@ -299,16 +299,21 @@ def test_teacher_writes_cases_floors_and_the_goal(tmp_path):
     assert "pcp4" in result["summary"]["not_measured"]
 
 
-def test_teacher_marks_cases_that_cannot_be_compared(tmp_path):
+def _run_teacher(tmp_path, runs: list[dict]) -> dict:
+    """exactness-teacher.json of a raw file holding ``runs``."""
     import check_exactness as ce
 
     raw = tmp_path / "raw.json"
-    raw.write_text(json.dumps({"versions": {}, "runs": [
-        _scoring_run("pcp1-v1", [-1.0, -2.0]), _scoring_run("pcp2", [-1.0])]}))
+    raw.write_text(json.dumps({"versions": {}, "runs": runs}))
     out = tmp_path / "teacher.json"
     ce.teacher(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
                                note="", date=""))
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_teacher_marks_cases_that_cannot_be_compared(tmp_path):
+    result = _run_teacher(tmp_path, [_scoring_run("pcp1-v1", [-1.0, -2.0]),
+                                     _scoring_run("pcp2", [-1.0])])
     assert "scored positions differ" in result["cases"][0]["error"]
     model = result["summary"]["models"]["m"]
     assert model["configs"]["pcp2 vs pcp1-v1"] is None
@@ -317,8 +322,6 @@ def test_teacher_marks_cases_that_cannot_be_compared(tmp_path):
 
 
 def test_cases_the_baseline_scored_on_other_prompts_are_left_out_of_the_pool(tmp_path):
-    import check_exactness as ce
-
     other = {**_scoring_run("pcp1-v1", [-1.0, -2.0])}
     other["scores"] = [*other["scores"], {**other["scores"][0], "case": "mixed",
                                           "prompt_lens": [12000]}]
@@ -326,12 +329,7 @@ def test_cases_the_baseline_scored_on_other_prompts_are_left_out_of_the_pool(tmp
     run["scores"] = [*run["scores"], {**run["scores"][0], "case": "mixed",
                                       "prompt_lens": [8152], "scores": [[-9.0]]},
                      {**run["scores"][0], "case": "len_4099", "prompt_lens": [4099]}]
-    raw = tmp_path / "raw.json"
-    raw.write_text(json.dumps({"versions": {}, "runs": [other, run]}))
-    out = tmp_path / "teacher.json"
-    ce.teacher(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
-                               note="", date=""))
-    result = json.loads(out.read_text())
+    result = _run_teacher(tmp_path, [other, run])
     reasons = {c["case"]: c.get("not_compared") for c in result["cases"]}
     assert reasons == {"len_7": None, "mixed": "the baseline ran prompts of [12000] tokens",
                        "len_4099": "the baseline did not run this case"}
@@ -342,8 +340,6 @@ def test_cases_the_baseline_scored_on_other_prompts_are_left_out_of_the_pool(tmp
 def test_scorings_of_other_continuations_are_never_compared(tmp_path):
     """A baseline's scores are of the outputs it scored; a run that scored outputs that
     changed since (a batched case rescheduled) is left out, whatever its numbers."""
-    import check_exactness as ce
-
     base = _scoring_run("pcp1-v1", [-1.0, -2.0])
     base["scores"] = [{**base["scores"][0], "continuation_digests": [continuation_digest([5, 6])]},
                       {**base["scores"][0], "case": "mixed",
@@ -352,12 +348,7 @@ def test_scorings_of_other_continuations_are_never_compared(tmp_path):
     run["scores"] = [{**run["scores"][0], "continuation_digests": [continuation_digest([5, 6])]},
                      {**run["scores"][0], "case": "mixed", "scores": [[-9.0, -9.0]],
                       "continuation_digests": [continuation_digest([5, 7])]}]
-    raw = tmp_path / "raw.json"
-    raw.write_text(json.dumps({"versions": {}, "runs": [base, run]}))
-    out = tmp_path / "teacher.json"
-    ce.teacher(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
-                               note="", date=""))
-    result = json.loads(out.read_text())
+    result = _run_teacher(tmp_path, [base, run])
     reasons = {c["case"]: c.get("not_compared") for c in result["cases"]}
     assert reasons["len_7"] is None and "other continuations" in reasons["mixed"]
     pooled = result["summary"]["models"]["m"]["configs"]["pcp2 vs pcp1-v1"]
@@ -367,8 +358,6 @@ def test_scorings_of_other_continuations_are_never_compared(tmp_path):
 def test_each_model_is_held_to_its_own_floors(tmp_path):
     """Rounding depends on a model's shape: a model whose floors are wide does not widen
     another's goal, and a model without floors has no verdict."""
-    import check_exactness as ce
-
     runs = [_scoring_run("pcp1", [-1.0, -2.0]), _scoring_run("pcp1-v1", [-1.0, -2.0]),
             _scoring_run("pcp1-graphs", [-1.0, -2.125]),
             _scoring_run("pcp1-flash-attn", [-1.0, -2.0]),
@@ -385,12 +374,7 @@ def test_each_model_is_held_to_its_own_floors(tmp_path):
             _scoring_run("pcp1-v1", [-1.0, -2.0], model="moe-tp"),
             _scoring_run("tp2", [-1.0, -2.5], model="moe-tp"),
             _scoring_run("pcp2", [-1.0, -2.25], model="moe-tp")]
-    raw = tmp_path / "raw.json"
-    raw.write_text(json.dumps({"versions": {}, "runs": runs}))
-    out = tmp_path / "teacher.json"
-    ce.teacher(SimpleNamespace(raw=[str(raw)], git_rev="r", command="c", out=str(out),
-                               note="", date=""))
-    models = json.loads(out.read_text())["summary"]["models"]
+    models = _run_teacher(tmp_path, runs)["summary"]["models"]
     assert (models["m"]["goal"]["pcp2"], models["wide"]["goal"]["pcp2"]) == (False, True)
     assert models["moe"]["goal"]["pcp2"] is None and models["moe"]["noise_floor"] == {}
     moe_tp = models["moe-tp"]["goal"]
