@@ -149,16 +149,16 @@ def _feature_cases(model: str, label: str, run: dict, base: dict, tokens: int,
                  "errors": failed.get("errors", []),
                  "error": failed.get("log_tail", "")[-1500:]}]
     base_results = {res["case"]: res for res in base["feature_results"]}
-    shared = [res for res in run["feature_results"] if not comparable(res, base_results)]
+    reasons = [comparable(res, base_results) for res in run["feature_results"]]
+    shared = [res for res, why in zip(run["feature_results"], reasons) if not why]
     cases = _compare_run(model, label, {**run, "results": shared},
                          {**base, "results": base["feature_results"]}, tokens)
     cases = [judge_feature_case(case, res, base_results[res["case"]])
              for case, res in zip(cases, shared)]
     if not_compared is not None:
         not_compared += [{"model": model, "config": label, "case": res["case"],
-                          "prompt_lens": res["prompt_lens"],
-                          "reason": comparable(res, base_results)}
-                         for res in run["feature_results"] if comparable(res, base_results)]
+                          "prompt_lens": res["prompt_lens"], "reason": why}
+                         for res, why in zip(run["feature_results"], reasons) if why]
     return cases
 
 
@@ -189,10 +189,9 @@ def features_compare(args) -> None:
     cases, not_compared = [], []
     for (model, variant, config), run in sorted(runs.items()):
         if "refusal" in run:
-            record = run["refusal"]
-            if run.get("log_tail") and _refusal_pattern(model, config):
-                record = rejudge_refusal(record, run["log_tail"],
-                                         _refusal_pattern(model, config))
+            record, pattern = run["refusal"], _refusal_pattern(model, config)
+            if run.get("log_tail") and pattern:
+                record = rejudge_refusal(record, run["log_tail"], pattern)
             cases.append(refusal_case(model, f"{config}, {variant}", record))
             continue
         base_config = _feature_baseline(config)

@@ -114,9 +114,9 @@ layout_flags() {  # VAR NAME [--cuda-graphs | --eager]: VAR=(the vllm serve flag
   _lines=$(python3 "$here/layouts.py" serve-flags "${@:2}") || return
   mapfile -t into <<< "$_lines"
 }
-layout_env() {  # NAME: export the environment NAME's layout runs with (scripts/layouts.py)
-  local kv
-  while read -r kv; do [ -n "$kv" ] && export "$kv"; done < <(python3 "$here/layouts.py" env "$1")
+layout_env() {  # VAR NAME: VAR=(the environment of NAME's layout, one KEY=VALUE each)
+  local -n into_env=$1
+  mapfile -t into_env < <(python3 "$here/layouts.py" env "$2")
 }
 models=qwen2.5-3b-shape,llama-8kv-hd64,qwen2-mqa-1kv,smollm2
 share_gpus() {  # the checks of vllm serve: ranks share the GPUs where the host has fewer
@@ -265,7 +265,7 @@ EOF
     python3 "$here/bench_pcp.py" model --out-dir /tmp/bench-models/qwen2.5-3b-shape
     for config in ${SERVE_CONFIGS:-pcp1 pcp2 pcp2-dcp2 tp2}; do
       layout_flags flags "$config" --cuda-graphs || { echo "$config rc=2"; continue; }
-      mapfile -t env < <(python3 "$here/layouts.py" env "$config")
+      layout_env env "$config"
       if [ "$(python3 "$here/layouts.py" gpus "$config")" = 1 ]; then
         env+=(CUDA_VISIBLE_DEVICES=0)  # a one-GPU server on the first GPU
       fi
@@ -370,7 +370,8 @@ EOF
       local name=$1 port=$2 layout
       ( . "$here/serve_lib.sh"
         layout_flags layout "$3" || exit
-        layout_env "$3"
+        layout_env env "$3"
+        [ ${#env[@]} -eq 0 ] || export "${env[@]}"
         serve_until_healthy "$port" "$work/$name-server.log" 900 "$model" \
           "${faults_flags[@]}" "${layout[@]}"
         held_to=()

@@ -259,8 +259,8 @@ def _refuse_mixed_scales(vllm_config, layer_names: list[str]) -> None:
     parallel = vllm_config.parallel_config
     params = get_per_layer_parameters(vllm_config, layer_names, FlashInferImpl).values()
     raise pcp_config.dcp_scales_error(sorted({p.sm_scale for p in params}),
-                           parallel.prefill_context_parallel_size,
-                           parallel.decode_context_parallel_size)
+                                      parallel.prefill_context_parallel_size,
+                                      parallel.decode_context_parallel_size)
 
 
 def _max_decode_graph_rows(vllm_config) -> int:

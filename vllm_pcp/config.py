@@ -105,9 +105,8 @@ def pcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
 def _dcp_refusals(vllm_config) -> list[str]:
     parallel = vllm_config.parallel_config
     pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
     if dcp == 1:
-        cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype",
-                              "auto")
         return ([pcp_kv_dtype_refusal(cache_dtype, pcp)]
                 if pcp > 1 and cache_dtype not in PCP_CACHE_DTYPES else [])
     if pcp > 1 and dcp != pcp:
@@ -117,7 +116,6 @@ def _dcp_refusals(vllm_config) -> list[str]:
     if getattr(parallel, "dcp_comm_backend", "ag_rs") == "a2a":
         out.append("--dcp-comm-backend a2a: vllm-pcp's DCP exchanges partial states itself; "
                    "omit the flag")
-    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
     if cache_dtype not in DCP_CACHE_DTYPES:
         out.append(f"--kv-cache-dtype {cache_dtype}: vllm-pcp's DCP runs unquantized KV "
                    "caches")
