@@ -24,8 +24,8 @@ def feature_configs() -> dict:
     return {
         **{f"pcp2-dcp2-i{i}-{way}": worker_flags(f"pcp2-dcp2-i{i}-{way}")
            for i in (1, 16) for way in FEATURE_EXCHANGES},
-        # fp8 must be refused under -pcp (a same-step prefix hit measured off one GPU's
-        # tokens) and -dcp (the plugin's DCP runs unquantized caches)
+        # fp8 against one GPU's fp8 at -pcp; refused with -dcp (the plugin's DCP runs
+        # unquantized caches)
         **{f"{name}-fp8": [*worker_flags(name), "--kv-cache-dtype", "fp8"]
            for name in ("pcp1-v1", "pcp2", "pcp4", "pcp2-dcp2-i1")},
         # the same scheduler pool of PREEMPT_CAPACITY_TOKENS everywhere: a DCP rank holds
@@ -44,8 +44,7 @@ FEATURE_DEFAULT_CONFIGS = ",".join(
 # What must stop at start-up, by model (every configuration) or by configuration, and a
 # regular expression the error must match
 FEATURE_REFUSED_MODELS = {"mistral-swa512": SLIDING_WINDOW_PATTERN}
-FEATURE_REFUSED_CONFIGS = {name: r"--kv-cache-dtype fp8"
-                           for name in ("pcp2-fp8", "pcp4-fp8", "pcp2-dcp2-i1-fp8")}
+FEATURE_REFUSED_CONFIGS = {"pcp2-dcp2-i1-fp8": r"--kv-cache-dtype fp8"}
 
 
 def _feature_group(config: str) -> str:
@@ -67,13 +66,8 @@ def _feature_baseline(config: str) -> str | None:
     return None if config == "pcp1-v1" else "pcp1-v1"
 
 
-def _refusal_pattern(model: str, config: str, environ=os.environ) -> str | None:
-    """What ``config`` on ``model`` must be refused with, or None; a -pcp fp8 cache that
-    the check lets through (``VLLM_PCP_TEST_ACCEPT_KV_DTYPES``, tests/engine/shared_gpu.py)
-    runs its cases instead."""
-    accepted = environ.get("VLLM_PCP_TEST_ACCEPT_KV_DTYPES", "").split(",")
-    if config.endswith("-fp8") and "-dcp" not in config and "fp8" in accepted:
-        return FEATURE_REFUSED_MODELS.get(model)
+def _refusal_pattern(model: str, config: str) -> str | None:
+    """What ``config`` on ``model`` must be refused with, or None."""
     return FEATURE_REFUSED_MODELS.get(model) or FEATURE_REFUSED_CONFIGS.get(config)
 
 

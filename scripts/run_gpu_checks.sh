@@ -354,7 +354,8 @@ EOF
       results+=("$work/soak-$config.json")
     done
     wait
-    python3 "$here/serve_soak.py" merge "${results[@]}" --out "$work/serve-soak.json"
+    python3 "$here/serve_soak.py" merge "${results[@]}" --out "$work/serve-soak.json" \
+      --command "scripts/run_gpu_checks.sh soak (serve_soak.py reference at -pcp 1, soak at ${SOAK_CONFIGS:-pcp2 pcp2-dcp2})"
     rc=$?
     cp "$work/serve-soak.json" "$out/serve-soak.json"
     exit "$rc" ;;
@@ -396,7 +397,8 @@ EOF
       results+=("$work/faults-$config.json" "$work/dead-rank-$config.json")
     done
     wait
-    python3 "$here/serve_faults.py" merge "${results[@]}" --out "$work/serve-faults.json"
+    python3 "$here/serve_faults.py" merge "${results[@]}" --out "$work/serve-faults.json" \
+      --command "scripts/run_gpu_checks.sh faults (serve_faults.py requests against -pcp 1 on the V1 runner and ${FAULTS_CONFIGS:-pcp2 pcp2-dcp2}, every prompt split; serve_faults.py dead-rank on the latter)"
     rc=$?
     cp "$work/serve-faults.json" "$out/serve-faults.json"
     exit "$rc" ;;

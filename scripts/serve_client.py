@@ -321,8 +321,10 @@ def run_meta(git_rev: str | None) -> dict:
             "date": datetime.date.today().isoformat()}
 
 
-def merge(paths: list[str]) -> dict:
-    """One result file from soak (or fault) runs: their goals side by side."""
+def merge(paths: list[str], command: str = "") -> dict:
+    """One result file from soak (or fault) runs: their goals side by side; its ``meta`` is
+    the first run's (revision, versions) with ``command`` (the stage that ran them) where
+    given, each run keeping its own."""
     runs = []
     for path in paths:
         if not os.path.exists(path):  # its server or client failed: see its log
@@ -335,6 +337,8 @@ def merge(paths: list[str]) -> dict:
              or os.path.basename(path): run.get("goals", {}) for run, path in zip(runs, paths)}
     met = bool(runs) and all(g and all(v is True for v in g.values()) for g in goals.values())
     meta = next((run["meta"] for run in runs if "meta" in run), {})
+    if command:
+        meta = {**meta, "command": command}
     return {"meta": meta, "goals": goals,
             "all_goals_met": met, "runs": runs}
 
@@ -355,4 +359,6 @@ def run_parser(doc: str, modes: tuple[str, ...], name_example: str) -> argparse.
     ap.add_argument("--model", default=None)
     ap.add_argument("--name", default=None, help=f"the configuration, e.g. {name_example}")
     ap.add_argument("--git-rev", default=os.environ.get("GIT_REV"))
+    ap.add_argument("--command", default="",
+                    help="merge: the command the merged file records (default: the first run's)")
     return ap

@@ -362,7 +362,7 @@ def _args() -> argparse.Namespace:
 def main() -> None:
     args = _args()
     if args.mode == "merge":
-        result = merge(args.inputs)
+        result = merge(args.inputs, args.command)
     elif args.mode == "requests":
         result = requests_result(args)
     else:

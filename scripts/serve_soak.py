@@ -336,7 +336,7 @@ def _args() -> argparse.Namespace:
 def main() -> None:
     args = _args()
     if args.mode == "merge":
-        result = merge(args.inputs)
+        result = merge(args.inputs, args.command)
         write_json(args.out, result)
         print(json.dumps(result["goals"]))
         sys.exit(0 if result["all_goals_met"] else 1)

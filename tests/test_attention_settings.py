@@ -170,13 +170,14 @@ def test_stock_layers_keep_their_settings(make_impl):
                                                                         "layers.0.attn")
 
 
-def test_pcp_layers_refuse_a_quantized_kv_cache(make_impl):
-    """-pcp alone with an fp8 cache: a checkpoint's scheme can make a layer fp8 past the
-    start-up check, and the one-H200 run measured a same-step prefix hit off one GPU's
-    tokens (tests/gpu/results/exactness-features.json, burst at pcp2-fp8 and pcp4-fp8)."""
-    with pytest.raises(PCPConfigError, match=r"with a fp8 KV cache: \-\-kv\-cache\-dtype fp8: "
-                       r"not yet verified with \-pcp 2 on a GPU .*drop \-\-kv\-cache\-dtype or drop \-pcp"):
-        make_impl(dcp=1, pcp=2, kv_cache_dtype="fp8")
+def test_pcp_layers_take_fp8_and_refuse_an_unverified_kv_cache_dtype(make_impl):
+    """-pcp alone: a checkpoint's scheme can give a layer a cache dtype past the start-up
+    check; fp8 runs (shown exact on one H200, tests/gpu/results/exactness-features.json,
+    pcp2-fp8 and pcp4-fp8), a dtype no GPU run has shown exact is refused."""
+    with pytest.raises(PCPConfigError, match=r"with a fp8_e5m2 KV cache: \-\-kv\-cache\-dtype "
+                       r"fp8_e5m2: not verified with \-pcp 2 on a GPU \(fp8 is\)"):
+        make_impl(dcp=1, pcp=2, kv_cache_dtype="fp8_e5m2")
+    assert make_impl(dcp=1, pcp=2, kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
     assert make_impl(dcp=1, pcp=2, kv_cache_dtype="auto").kv_cache_dtype == "auto"
 
 

@@ -399,15 +399,18 @@ def test_sliding_window_on_sm90_is_refused_at_start_up_at_pcp_alone(monkeypatch)
     assert str(err.value).count("sliding-window attention") == 1
 
 
-def test_pcp_alone_refuses_a_quantized_kv_cache():
-    """Measured on one H200 (exactness-features.json): at -pcp 2 and 4 with an fp8 cache,
-    the request of the shared-prefix burst whose prefix another request writes in the
-    same step left one GPU's tokens beyond the top-5 rule; bf16 caches are exact there."""
-    with pytest.raises(PCPConfigError) as err:
-        prepare_pcp_config(_config(cache_dtype="fp8"))
-    assert ("--kv-cache-dtype fp8: not yet verified with -pcp 2 on a GPU" in str(err.value)
-            and "drop --kv-cache-dtype or drop -pcp" in str(err.value))
+def test_pcp_alone_takes_fp8_and_refuses_kv_cache_dtypes_no_gpu_run_verified():
+    """Measured on one H200 (exactness-features.json): -pcp 2 and -pcp 4 with an fp8 cache
+    pass the feature cases against one GPU with fp8 (the burst token for token); e5m2 and
+    the other quantized caches have not run, and -dcp keeps its own refusal."""
+    assert prepare_pcp_config(_config(cache_dtype="fp8"))
     assert prepare_pcp_config(_config(cache_dtype="auto"))
+    for cache_dtype in ("fp8_e5m2", "fp8_e4m3", "nvfp4"):
+        with pytest.raises(PCPConfigError) as err:
+            prepare_pcp_config(_config(cache_dtype=cache_dtype))
+        assert (f"--kv-cache-dtype {cache_dtype}: not verified with -pcp 2 on a GPU (fp8 is)"
+                in str(err.value)
+                and "pass --kv-cache-dtype fp8 (e4m3) or auto, or drop -pcp" in str(err.value))
     with pytest.raises(PCPConfigError) as err:  # with -dcp the DCP refusal names it once
         prepare_pcp_config(_config(cache_dtype="fp8", **DCP2))
     assert str(err.value).count("--kv-cache-dtype fp8") == 1

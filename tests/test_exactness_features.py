@@ -483,9 +483,8 @@ def test_feature_cases_the_baseline_ran_otherwise_are_not_judged():
         ("json_schema", "the baseline did not run this case")]
 
 
-def test_a_pcp_fp8_cache_the_check_lets_through_runs_its_cases():
-    env = {"VLLM_PCP_TEST_ACCEPT_KV_DTYPES": "fp8"}
-    assert efc._refusal_pattern("m", "pcp2-fp8", {}) == r"--kv-cache-dtype fp8"
-    assert efc._refusal_pattern("m", "pcp2-fp8", env) is None
-    assert efc._refusal_pattern("m", "pcp2-dcp2-i1-fp8", env) == r"--kv-cache-dtype fp8"
-    assert efc._refusal_pattern("mistral-swa512", "pcp2-fp8", env) is not None
+def test_fp8_runs_its_cases_at_pcp_and_is_refused_with_dcp():
+    assert efc._refusal_pattern("m", "pcp2-fp8") is None
+    assert efc._refusal_pattern("m", "pcp4-fp8") is None
+    assert efc._refusal_pattern("m", "pcp2-dcp2-i1-fp8") == r"--kv-cache-dtype fp8"
+    assert efc._refusal_pattern("mistral-swa512", "pcp2-fp8") is not None

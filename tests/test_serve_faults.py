@@ -254,4 +254,21 @@ def test_the_faults_stage_holds_pcp2_to_pcp1_and_kills_a_rank_of_each(tmp_path):
     merge = next(a for a in runs if a[0] == "merge")
     assert merge[1:4] == [str(work / n) for n in (
         "faults-pcp1.json", "faults-pcp2-dcp2.json", "dead-rank-pcp2-dcp2.json")]
+    # the merged file names the stage that ran, not the first run's command
+    assert serve_stage_stub.flag(merge, "--command").startswith(
+        "scripts/run_gpu_checks.sh faults")
     assert (tmp_path / "out" / "serve-faults.json").exists()
+
+
+def test_merge_records_the_stage_command_and_keeps_each_runs_meta(tmp_path):
+    from serve_client import merge
+
+    run = {"meta": {"git_rev": "abc", "command": "serve_faults.py requests", "vllm": "0.26.0"},
+           "name": "pcp2", "check": "requests", "goals": {"each_4xx_or_correct": True}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    merged = merge([str(path)], "scripts/run_gpu_checks.sh faults")
+    assert merged["meta"] == {"git_rev": "abc", "command": "scripts/run_gpu_checks.sh faults",
+                              "vllm": "0.26.0"}
+    assert merged["runs"][0]["meta"]["command"] == "serve_faults.py requests"
+    assert merge([str(path)])["meta"]["command"] == "serve_faults.py requests"

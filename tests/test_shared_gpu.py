@@ -139,21 +139,21 @@ def test_each_process_gives_nccl_a_host_of_its_own(monkeypatch):
 
 
 def test_a_check_can_let_pcp_take_a_kv_cache_dtype_the_plugin_refuses(monkeypatch, tmp_path):
-    """``VLLM_PCP_TEST_ACCEPT_KV_DTYPES=fp8``: start-up and the layers take an fp8 cache at
-    -pcp 2 (DCP keeps its own refusal); unset, both refuse it."""
+    """``VLLM_PCP_TEST_ACCEPT_KV_DTYPES=fp8_e5m2``: start-up and the layers take that cache
+    at -pcp 2 (DCP keeps its own refusal); unset, both refuse it."""
     import vllm_pcp.config as config
     from test_config import DCP2, _config
 
     monkeypatch.setattr(config, "PCP_CACHE_DTYPES", config.PCP_CACHE_DTYPES)
     with pytest.raises(config.PCPConfigError):
-        config.prepare_pcp_config(_config(cache_dtype="fp8"))
+        config.prepare_pcp_config(_config(cache_dtype="fp8_e5m2"))
     plugin.accept_kv_dtypes("")
     with pytest.raises(config.PCPConfigError):
-        config.prepare_pcp_config(_config(cache_dtype="fp8"))
-    plugin.accept_kv_dtypes("fp8")
-    assert config.prepare_pcp_config(_config(cache_dtype="fp8"))
-    with pytest.raises(config.PCPConfigError, match="--kv-cache-dtype fp8"):
-        config.prepare_pcp_config(_config(cache_dtype="fp8", **DCP2))
+        config.prepare_pcp_config(_config(cache_dtype="fp8_e5m2"))
+    plugin.accept_kv_dtypes("fp8_e5m2")
+    assert config.prepare_pcp_config(_config(cache_dtype="fp8_e5m2"))
+    with pytest.raises(config.PCPConfigError, match="--kv-cache-dtype fp8_e5m2"):
+        config.prepare_pcp_config(_config(cache_dtype="fp8_e5m2", **DCP2))
 
 
 # --- what the harness relies on in vLLM 0.26.0 -------------------------------------------

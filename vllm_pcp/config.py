@@ -87,19 +87,17 @@ def _attention_backend_name(vllm_config) -> str | None:
 
 
 # KV cache dtypes vllm-pcp's DCP attention runs (unquantized), and those -pcp alone takes
-# (verified on GPUs); both read where they are checked
+# (each shown exact against one GPU on a GPU: fp8 in tests/gpu/results/exactness-features.json);
+# both read where they are checked
 DCP_CACHE_DTYPES = ("auto", "bfloat16", "float16")
-PCP_CACHE_DTYPES = DCP_CACHE_DTYPES
+PCP_CACHE_DTYPES = (*DCP_CACHE_DTYPES, "fp8")
 
 
 def pcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
-    """Why ``-pcp`` (DCP = 1) refuses a quantized KV cache until a GPU run shows it exact:
-    on one H200 a 3-token chunk split into rows of 1 token (vLLM's decode kernel, bf16
-    queries, where one GPU's prefill kernel takes fp8 ones) left one GPU's tokens; the
-    split now computes such chunks whole (``partition.min_chunk_tokens``)."""
-    return (f"--kv-cache-dtype {cache_dtype}: not yet verified with -pcp {pcp} on a GPU (a "
-            "run left one GPU's tokens beyond vLLM's top-5 rule); drop --kv-cache-dtype or "
-            "drop -pcp")
+    """Why ``-pcp`` (DCP = 1) refuses a KV cache dtype no GPU run has shown exact (fp8 is:
+    its e4m3 format under the name ``fp8``)."""
+    return (f"--kv-cache-dtype {cache_dtype}: not verified with -pcp {pcp} on a GPU "
+            "(fp8 is); pass --kv-cache-dtype fp8 (e4m3) or auto, or drop -pcp")
 
 
 def _dcp_refusals(vllm_config) -> list[str]:

@@ -25,7 +25,7 @@ engine, as it loads vllm-pcp itself:
 Ranks that share a GPU check outputs, never speed.
 
 One more switch for the checks, off unless set: ``VLLM_PCP_TEST_ACCEPT_KV_DTYPES``
-(comma-separated, e.g. ``fp8``) lets ``-pcp`` engines take KV cache dtypes the plugin
+(comma-separated, e.g. ``fp8_e5m2``) lets ``-pcp`` engines take KV cache dtypes the plugin
 refuses there until a GPU run shows them exact, so that the run can.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import os
 
 MODE_VAR = "VLLM_PCP_TEST_SHARE_GPUS"  # off (unset) | auto | force
 ENGAGED_VAR = "VLLM_PCP_TEST_SHARED_GPUS_ENGAGED"  # the GPU count, set once engaged
-ACCEPT_KV_DTYPES_VAR = "VLLM_PCP_TEST_ACCEPT_KV_DTYPES"  # e.g. "fp8": -pcp takes them
+ACCEPT_KV_DTYPES_VAR = "VLLM_PCP_TEST_ACCEPT_KV_DTYPES"  # e.g. "fp8_e5m2": -pcp takes them
 
 _registered = False
 
