@@ -48,24 +48,26 @@ def run_worker(cmd: list[str], out: str, key: str, entry: dict, env: dict | None
                extra: tuple[str, ...] = (), log: str | None = None) -> dict:
     """Run ``cmd`` (which writes JSON to ``out``); return ``entry`` with the
     return code, seconds, and ``out[key]`` and ``out[extra...]`` -- or the log
-    tail on failure. ``log``: a file for the whole of the worker's output."""
+    tail on failure. The worker's output goes to ``log`` (default: ``out`` + ``.log``)
+    as it runs, so a long engine's progress (its per-case lines) can be read meanwhile."""
     if os.path.exists(out):
         os.remove(out)  # never report an earlier run's file
+    log = log or out + ".log"
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, **(env or {})})
     entry = {**entry, "returncode": proc.returncode,
              "seconds": round(time.perf_counter() - start, 1)}
-    if log:
-        with open(log, "w") as f:
-            f.write(proc.stdout + proc.stderr)
     if proc.returncode == 0 or os.path.exists(out):  # a failed run may have saved a part
         with open(out) as f:
             data = json.load(f)
         entry.update({k: data[k] for k in (key, *extra) if k in data})
     if proc.returncode:
-        log = proc.stdout + proc.stderr
-        entry["errors"] = error_lines(log)
-        entry["log_tail"] = log[-6000:]
+        with open(log) as f:
+            output = f.read()
+        entry["errors"] = error_lines(output)
+        entry["log_tail"] = output[-6000:]
     print(" ".join(str(v) for v in entry.values() if isinstance(v, (str, int, float))),
           *entry.get("errors", [])[:1], flush=True)  # a failure's first exception line
     return entry

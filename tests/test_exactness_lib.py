@@ -479,3 +479,30 @@ def test_meta_names_the_revision_of_each_run_when_raw_files_differ(tmp_path):
     args.raw = [raw("c.json", "bbb", "pcp1-v1"), args.raw[1]]
     ce.compare(args)
     assert "runs_by_git_rev" not in json.load(open(out))["meta"]
+
+
+def test_run_worker_writes_the_output_to_its_log_while_the_worker_runs(tmp_path):
+    """A long engine's per-case lines are readable before it ends (default log: out.log)."""
+    import sys
+    import threading
+    import time
+
+    from gpu_runs import run_worker
+
+    out, release = tmp_path / "w.json", tmp_path / "release"
+    script = ("import json, os, sys, time; print('case len_1: 3.0 s', flush=True)\n"
+              "while not os.path.exists(sys.argv[2]): time.sleep(0.05)\n"
+              "json.dump({'rows': [1]}, open(sys.argv[1], 'w'))")
+    done = {}
+    worker = threading.Thread(target=lambda: done.update(run_worker(
+        [sys.executable, "-c", script, str(out), str(release)], str(out), "rows",
+        {"config": "x"})))
+    worker.start()
+    log = tmp_path / "w.json.log"
+    deadline = time.monotonic() + 60
+    while "case len_1" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline and worker.is_alive()
+        time.sleep(0.05)
+    release.touch()
+    worker.join(60)
+    assert done["returncode"] == 0 and done["rows"] == [1]
