@@ -4,6 +4,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engine"))  # the GPU suites' pure parts
 
 
 @pytest.fixture(autouse=True)
@@ -18,3 +19,13 @@ def _configs_see_enough_gpus(request, monkeypatch):
 
     if current_platform.is_cuda():
         monkeypatch.setattr(current_platform, "device_count", lambda: 8)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--results-dir", default=None,
+                     help="where the GPU suites (tests/gpu, tests/engine) write their result "
+                          "files (default: none written)")
+    parser.addoption("--engine-work-dir", default="/tmp/vllm-pcp-engine",
+                     help="tests/engine: models, raw engine outputs and logs")
+    parser.addoption("--engine-max-tokens", type=int, default=32,
+                     help="tests/engine: greedy tokens per prompt (the teacher scores them)")

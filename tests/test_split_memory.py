@@ -277,73 +277,6 @@ def test_the_profile_run_holds_the_reserve_and_the_worker_reports_it(monkeypatch
     assert stats["resets"] == 2
 
 
-def _memory_report(tmp_path, runs: list[dict]) -> dict:
-    import json
-    import subprocess
-    import sys
-
-    raw = tmp_path / "raw.json"
-    raw.write_text(json.dumps({"versions": {"gpu": "1 x H200"}, "git_rev": "abc",
-                               "runs": runs}))
-    out = tmp_path / "memory.json"
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "memory_report.py")
-    subprocess.run([sys.executable, script, "--raw", str(raw), "--out",
-                    str(out), "--git-rev", "abc", "--command", "c", "--date", "2026-12-01"],
-                   check=True, capture_output=True)
-    return json.loads(out.read_text())
-
-
-def _rank(allocated, peak, profile=None):
-    return {"allocated_bytes": allocated, "peak_allocated_bytes": peak,
-            "profile_peak_bytes": profile, "split_step_reserve_bytes": 1 << 28}
-
-
-def _run(config, memory, **extra):
-    return {"model": "m", "variant": "chunked", "config": config, "returncode": 0,
-            "memory": memory, **extra}
-
-
-GIB = 1 << 30
-
-
-def test_memory_report_holds_each_ranks_step_peak_to_the_profile_peak(tmp_path):
-    fits = {"at_start": [_rank(10 * GIB, 10 * GIB, 2 * GIB)] * 2,
-            "after_cases": [_rank(10 * GIB, 11 * GIB), _rank(10 * GIB, 12 * GIB)]}
-    over = {"at_start": [_rank(10 * GIB, 10 * GIB, GIB)],
-            "after_cases": [_rank(10 * GIB, 12 * GIB)]}
-    got = _memory_report(tmp_path, [_run("pcp2", fits), _run("pcp4", over),
-                                    _run("pcp1-v1", None)])
-    assert got["summary"] == {"runs": 2, "ranks": 3, "ranks_judged": 3, "ranks_that_fit": 2,
-                              "goal_met": False}
-    assert [r["step_peak_gib"] for r in got["runs"][0]["ranks"]] == [1.0, 2.0]
-    assert got["runs"][1]["ranks"][0]["fits"] is False
-    assert got["meta"]["git_rev"] == "abc" and got["meta"]["date"] == "2026-12-01"
-
-
-def test_prompt_logprob_phases_are_recorded_and_not_judged(tmp_path):
-    """The scoring and the prompt_logprobs case make vLLM compute whole chunks' logits:
-    their peak is kept apart from the split steps', and a run measured as one phase over
-    them cannot be judged."""
-    phased = {"at_start": [_rank(10 * GIB, 10 * GIB, 2 * GIB)],
-              "phases": {"standard": [_rank(10 * GIB, 11 * GIB)],
-                         "features": [_rank(10 * GIB, 13 * GIB)],
-                         "scoring": [_rank(10 * GIB, 14 * GIB)]}}
-    plain_features = {**phased, "phases": {"features": [_rank(10 * GIB, 11.5 * GIB)]}}
-    mixed = {"at_start": [_rank(10 * GIB, 10 * GIB, 2 * GIB)],
-             "after_cases": [_rank(10 * GIB, 13 * GIB)]}
-    logprobs_case = [{"case": "prompt_logprobs"}]
-    got = _memory_report(tmp_path, [
-        _run("pcp2", phased, feature_results=logprobs_case, scores=[]),
-        _run("pcp2-dcp2-i1-keys", plain_features, feature_results=[{"case": "burst"}]),
-        _run("pcp4", mixed, scores=[])])
-    rows = {run["config"]: run["ranks"][0] for run in got["runs"]}
-    assert rows["pcp2"]["step_peak_gib"] == 1.0 and rows["pcp2"]["fits"] is True
-    assert rows["pcp2"]["prompt_logprobs_peak_gib"] == 4.0
-    assert rows["pcp2-dcp2-i1-keys"]["step_peak_gib"] == 1.5
-    assert rows["pcp4"]["fits"] is None and rows["pcp4"]["step_peak_gib"] is None
-    assert got["summary"]["ranks_judged"] == 2 and got["summary"]["goal_met"] is None
-
-
 def test_the_reserve_of_vllms_own_config(tmp_path, monkeypatch):
     """On a real VllmConfig (a small Qwen2: 8 query and 2 KV heads of 8, hidden 64, bf16)
     the step is read from vLLM's fields: the scheduler's token budget, the model's heads."""
@@ -357,32 +290,3 @@ def test_the_reserve_of_vllms_own_config(tmp_path, monkeypatch):
     shape = StepShape(tokens=4096, rows=4096, context_rows=0, pcp=2, dcp=1, num_q_heads=8,
                       num_kv_heads=2, head_dim=8, hidden_size=64, dtype_bytes=2)
     assert split_step_reserve_bytes(config) == step_bytes(shape) == restore_bytes(shape)
-
-
-def test_the_worker_reads_each_ranks_memory_after_each_phase(monkeypatch):
-    """The peak is reset at the start and read after the standard cases, the feature cases
-    and the scoring, each on its own: the report tells the split steps' peak from the
-    scoring's."""
-    import sys
-    from types import SimpleNamespace
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    import exactness_worker as worker
-
-    calls = []
-
-    class _LLM:
-        def collective_rpc(self, method, args=()):
-            calls.append((method, args))
-            return [{"read": len(calls)}]
-
-    monkeypatch.setattr(worker, "run_cases", lambda *a: calls.append("standard") or [])
-    monkeypatch.setattr(worker, "run_feature_group", lambda *a: calls.append("features") or [])
-    monkeypatch.setattr(worker, "_score", lambda *a: calls.append("scoring") or [])
-    args = SimpleNamespace(cases="standard,features", teacher="self", max_tokens=4)
-    out = worker.run_groups(_LLM(), args, [], 10, 100, None)
-    read = ("pcp_memory", (True,))
-    assert calls == [read, "standard", read, "features", read, "scoring", read]
-    assert out["memory"]["at_start"] == [{"read": 1}]
-    assert out["memory"]["phases"] == {"standard": [{"read": 3}], "features": [{"read": 5}],
-                                       "scoring": [{"read": 7}]}

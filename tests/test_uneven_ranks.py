@@ -228,3 +228,22 @@ def test_step_counts_tell_which_split_steps_left_ranks_without_tokens(n):
     empty = [r for r, p in enumerate(plans) if p.num_local_tokens == 0]
     assert empty and [c.steps_without_local_tokens for c in counts] == [
         int(r in empty) for r in range(n)]
+
+
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_the_engine_cases_make_a_step_with_ranks_without_tokens(ranks):
+    """The engine suite's exactness cases (tests/engine/cases.py) hold a split chunk
+    shorter than 2N tokens under chunked prefill (len_4099's last), a step in which some
+    rank gets no local tokens at -pcp 4 -dcp 4 and 8."""
+    import cases
+    import worker
+    from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
+
+    chunk = worker.VARIANTS["chunked"]
+    tails = [(n - n % chunk, n % chunk) for c in cases.build_cases(33000, 32000)
+             if c["kind"] == "batch" for n in map(len, c["prompts"])
+             if n > chunk and 2 <= n % chunk < 2 * ranks]
+    plans = [build_pcp_metadata_all_ranks([c], [t], ranks, min_split_tokens=2,
+                                          prefill_lens=[c + t])[0] for c, t in tails]
+    assert plans and all(p.num_split_requests == 1 for p in plans)
+    assert any(min(p.num_tokens_per_rank) == 0 for p in plans)

@@ -1,0 +1,140 @@
+"""Host work of one PCP x DCP attention layer, counted on PyTorch's meta device (no GPU).
+
+    python benchmarks/dcp_host.py --out dcp-host-layer.json
+
+Rank 0 of 2 (bench model heads, interleave 8) runs one layer's plugin work on meta tensors
+with FlashInfer and the process group stood in for: aten ops (``kernel_ops``: less views and
+allocations), collectives, FlashInfer calls. Steps: ``mixed`` (15 decodes at 16K context
+beside the second 8K chunk of a 16K prompt), ``prefill`` (that chunk), ``decode``.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from argparse import ArgumentParser, RawDescriptionHelpFormatter
+from types import SimpleNamespace
+from unittest.mock import patch
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "engine")]
+import results  # noqa: E402
+from kernel_choice import HEAD_DIM, HEADS, PAGE  # noqa: E402
+
+WORLD, RANK, INTERLEAVE = 2, 0, 8
+NO_KERNEL = {"view", "slice", "select", "detach", "transpose", "as_strided", "unsqueeze",
+             "expand", "permute", "split", "t", "alias", "_unsafe_view", "empty",
+             "new_empty", "empty_like", "split_with_sizes", "unbind"}
+DECODES, CONTEXT, PROMPT, CHUNK = 15, 16000, 16384, 8192
+STEPS = (("mixed", "keys"), ("mixed", "queries"), ("prefill", "keys"), ("decode", "keys"))
+
+
+class Count(TorchDispatchMode):
+    """Counts the aten ops dispatched outside stand-ins (``ops``) and stand-ins' ``calls``."""
+
+    ops, calls, paused = {}, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+COUNT = Count()
+
+
+def standin(fn, counter: str = "merges"):
+    """``fn`` as a stand-in: its ops are not counted, its calls are (``COUNT.calls``)."""
+    def run(*args, **kwargs):
+        COUNT.calls[counter] = COUNT.calls.get(counter, 0) + 1
+        COUNT.paused += 1
+        out = fn(*args, **kwargs)
+        COUNT.paused -= 1
+        return out
+    return run
+
+
+def _run(q, *args, out=None, lse=None, return_lse=False, **kwargs):
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
+    return (out, lse) if return_lse else out
+
+
+def wrapper(*args, **kwargs) -> SimpleNamespace:
+    """A FlashInfer wrapper: plans nothing, runs give outputs (and LSEs) of the right shape."""
+    return SimpleNamespace(plan=lambda *args, **kwargs: None, run=standin(_run, "flashinfer"))
+
+
+GROUP = SimpleNamespace(  # rank 0 of WORLD: collectives give tensors of the gathered shape
+    world_size=WORLD, rank_in_group=RANK,
+    all_gather=standin(lambda x, dim=0: x.new_empty(
+        [n * WORLD if d == dim % x.dim() else n for d, n in enumerate(x.shape)]), "collectives"),
+    all_to_all=standin(torch.empty_like, "collectives"))
+FLASHINFER = SimpleNamespace(
+    BatchPrefillWithRaggedKVCacheWrapper=wrapper, BatchPrefillWithPagedKVCacheWrapper=wrapper,
+    BatchDecodeWithPagedKVCacheWrapper=wrapper,
+    merge_state=standin(lambda va, sa, vb, sb: (torch.empty_like(va), torch.empty_like(sa))),
+    merge_states=standin(lambda v, s: (torch.empty_like(v[:, 0]), torch.empty_like(s[:, 0]))),
+    merge_state_in_place=lambda *args: None)
+
+
+def measure(step: str, exchange: str) -> dict:
+    """One layer's counts at ``step`` and context exchange ``exchange``."""
+    import vllm.v1.attention.backends.flashinfer  # noqa: F401  (before the stand-ins)
+    from vllm_pcp.dcp.attention import DCPAttention
+    from vllm_pcp.dcp.plan import build_dcp_plan
+    from vllm_pcp.pcp.exchange import gather_kv
+
+    dec = [CONTEXT + i for i in range(DECODES)]
+    computed, scheduled, prompts = {  # of each request
+        "mixed": (dec + [CHUNK], [1] * DECODES + [PROMPT - CHUNK - DECODES],
+                  [c + 1 for c in dec] + [PROMPT]),
+        "prefill": ([CHUNK], [PROMPT - CHUNK], [PROMPT]),
+        "decode": (dec, [1] * DECODES, [c + 1 for c in dec])}[step]
+    (hq, hkv), meta, dtype = HEADS, torch.device("meta"), torch.bfloat16
+    plan = build_dcp_plan(computed, scheduled, WORLD, RANK, INTERLEAVE, min_split_tokens=CHUNK,
+                          prefill_lens=prompts, context_exchange=exchange,
+                          kv_to_q_heads=hkv / hq)
+    pages = -(-(max(computed) + max(scheduled)) // (PAGE * WORLD)) + 1
+    table = torch.arange(len(computed) * pages, dtype=torch.int32).view(-1, pages).to(meta)
+    cache = tuple(torch.empty(table.numel(), PAGE, hkv, HEAD_DIM, dtype=dtype, device=meta)
+                  for _ in range(2))
+    with patch.dict(sys.modules, flashinfer=FLASHINFER):  # DCPAttention takes its kernels
+        attn = DCPAttention(torch.empty(1, dtype=torch.uint8, device=meta), hq, hkv, HEAD_DIM,
+                            PAGE, dtype, HEAD_DIM ** -0.5, "NHD")
+    attn._fast_plan_decode = lambda *args, **kwargs: None
+    planned, tokens = attn.plan(plan, table), sum(scheduled)
+    q = torch.empty(tokens, hq, HEAD_DIM, dtype=dtype, device=meta)
+    k = torch.empty(tokens, hkv, HEAD_DIM, dtype=dtype, device=meta)
+    COUNT.ops, COUNT.calls = {}, {}
+    with COUNT:
+        if plan.decode is not None:
+            attn.run(planned, GROUP, q, None, None, cache)
+        else:
+            m, padded = len(plan.pcp.local_token_indices), plan.pcp.num_padded_tokens_per_rank
+            ctx_rows = 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded
+            context = planned.read_context(cache)
+            k_buf, v_buf = gather_kv(GROUP, k[:m], k[:m], padded,
+                                     *((context, ctx_rows) if context is not None else ()))
+            attn.run(planned, GROUP, q[:m], k_buf, v_buf, cache)
+    ops = dict(sorted(COUNT.ops.items()))
+    return {"step": step, "exchange": exchange, "interleave": INTERLEAVE,
+            "aten_ops": sum(ops.values()),
+            "kernel_ops": sum(n for op, n in ops.items() if op not in NO_KERNEL), "ops": ops,
+            "flashinfer_runs": COUNT.calls.get("flashinfer", 0),
+            "collectives": COUNT.calls.get("collectives", 0)}
+
+
+if __name__ == "__main__":
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rows = [measure(step, exchange) for step, exchange in STEPS]
+    meta = results.meta(shlex.join(["python", "benchmarks/dcp_host.py", *sys.argv[1:]]),
+                        device="CPU, meta tensors (no GPU)")
+    results.write(os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.out),
+                  {"meta": meta, "runs": [{"git_rev": meta["git_rev"][:7], "rows": rows}]})

@@ -1,0 +1,115 @@
+"""TTFT of named layouts through vLLM's own ``vllm bench latency``.
+
+    python benchmarks/latency.py --layouts pcp1,pcp2 --input-lens 32768,131072 --eager --out F
+
+A ``vllm bench latency --output-len 1 --batch-size 1`` process per layout (tests/engine/
+layouts.py) and length on the bench model (dummy weights, no prefix cache): ``ttft_s`` is
+vLLM's median, ``ratios`` a layout's over pcp1's. vLLM's files and logs go beside ``--out``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from argparse import ArgumentParser, RawDescriptionHelpFormatter
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
+import results  # noqa: E402
+from layouts import LAYOUTS, gpus, serve_flags  # noqa: E402
+
+VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+MODEL_CONFIG = os.path.join("configs", "models", "qwen2.5-3b-shape.json")
+MODEL_DIR = "/tmp/bench-models/qwen2.5-3b-shape"
+LEN_MARGIN = 136  # model length past the longest prompt
+
+
+def bench_model(max_len: int = 131072 + LEN_MARGIN) -> str:
+    """Write the bench model's folder (config.json only: dummy weights); its path."""
+    with open(os.path.join(ROOT, MODEL_CONFIG)) as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], max_len)
+    os.makedirs(MODEL_DIR, exist_ok=True)
+    with open(os.path.join(MODEL_DIR, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return MODEL_DIR
+
+
+def check_layouts(names: list[str]) -> None:
+    """Refuse layouts with more ranks than this host's GPUs (shared GPUs time nothing)."""
+    if short := [n for n in names if gpus(n) > torch.cuda.device_count()]:
+        raise SystemExit(f"{short} want a GPU per rank: ranks sharing a GPU time nothing")
+
+
+def latency_args(layout: str, input_len: int, max_len: int, out_json: str,
+                 eager: bool = False, chunk: int = 0, iters: int = 3) -> list[str]:
+    """The arguments of ``vllm bench latency`` for one layout and prompt length."""
+    return ["--model", MODEL_DIR, "--load-format", "dummy", "--skip-tokenizer-init",
+            "--disable-detokenize", "--dtype", "bfloat16", "--seed", "0",
+            "--input-len", str(input_len), "--output-len", "1", "--batch-size", "1",
+            "--num-iters-warmup", "1", "--num-iters", str(iters),
+            "--max-model-len", str(max_len), "--max-num-batched-tokens", str(chunk or max_len),
+            "--max-num-seqs", "8", "--gpu-memory-utilization", "0.85",
+            "--output-json", out_json, *serve_flags(layout, cuda_graphs=not eager)]
+
+
+def ratios(runs: list[dict], baseline: str = "pcp1") -> dict:
+    """``LAYOUT/BASELINE@N``: TTFT over the baseline's at each length both have."""
+    ttft = {(r["config"], r["input_len"]): r["ttft_s"] for r in runs if "ttft_s" in r}
+    return {f"{name}/{baseline}@{n}": round(value / ttft[(baseline, n)], 4)
+            for (name, n), value in ttft.items()
+            if name != baseline and ttft.get((baseline, n))}
+
+
+def run_one(layout: str, input_len: int, max_len: int, args) -> dict:
+    """One ``vllm bench latency`` process (vLLM's files: OUT_DIR/LAYOUT-N.json, .log)."""
+    name = os.path.join(os.path.dirname(os.path.abspath(args.out)), f"{layout}-{input_len}")
+    cmd = ["bench", "latency", *latency_args(layout, input_len, max_len, name + ".json",
+                                             args.eager, args.chunk, args.num_iters)]
+    if os.path.exists(name + ".json"):
+        os.remove(name + ".json")
+    start = time.perf_counter()
+    with open(name + ".log", "w") as log:
+        rc = subprocess.run(VLLM + cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **LAYOUTS[layout].env}).returncode
+    run = {"config": layout, "input_len": input_len, "returncode": rc,
+           "seconds": round(time.perf_counter() - start, 1), "command": shlex.join(["vllm", *cmd])}
+    if rc == 0 and os.path.exists(name + ".json"):
+        with open(name + ".json") as f:
+            run["vllm"] = json.load(f)
+        run.update(ttft_s=run["vllm"]["percentiles"]["50"], ttft_mean_s=run["vllm"]["avg_latency"])
+    return run
+
+
+if __name__ == "__main__":
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--layouts", default="pcp1-stock,pcp1,pcp2,pcp2-dcp2,tp2")
+    ap.add_argument("--input-lens", default="4096,32768,131072")
+    ap.add_argument("--eager", action="store_true", help="--enforce-eager")
+    ap.add_argument("--chunk", type=int, default=0, help="--max-num-batched-tokens (default: none)")
+    ap.add_argument("--num-iters", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    layouts, lens = args.layouts.split(","), [int(n) for n in args.input_lens.split(",")]
+    check_layouts(layouts)
+    max_len, out_dir = max(lens) + LEN_MARGIN, os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    bench_model(max_len)
+    result = {"meta": results.meta(
+        shlex.join(["python", "benchmarks/latency.py", *sys.argv[1:]]),
+        tool="vllm bench latency", output_len=1, batch_size=1, num_iters_warmup=1,
+        num_iters=args.num_iters, enforce_eager=args.eager, max_model_len=max_len,
+        max_num_batched_tokens=args.chunk or max_len, model_config=MODEL_CONFIG),
+        "runs": [], "ratios": {}}
+    for layout in layouts:
+        for n in lens:  # the result file is rewritten after each process
+            result["runs"].append(run_one(layout, n, max_len, args))
+            result["ratios"] = ratios(result["runs"])
+            results.write(out_dir, os.path.basename(args.out), result)
+    print(json.dumps(result["ratios"], indent=1))
+    sys.exit(1 if any(r["returncode"] for r in result["runs"]) else 0)

@@ -1,0 +1,157 @@
+"""One engine job in its own process (worker.py, the shared-GPU environment), its raw entry
+kept as ``WORK/raw/NAME.json``: not run again (a failure: within its session), one run shared
+by pytest-xdist workers under a file lock."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+import judge
+import layouts
+import results
+import shared_gpu
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKER = [sys.executable, os.path.join(HERE, "worker.py")]
+SESSION_VAR = "VLLM_PCP_ENGINE_SESSION"  # set once per pytest session (tests/engine/conftest.py)
+REFUSAL_TIMEOUT_S = 300  # a run that must be refused and still goes after this is killed
+REAL_MODELS = {"smollm2": "smollm2-135m", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b"}
+FULL_DEPTH = "-full"  # NAME-full: NAME with every layer of its config (else 4)
+
+
+@dataclass(frozen=True)
+class Job:
+    """``teacher``: "self" or the job whose greedy outputs it scores; ``refusal``: a pattern
+    its start-up error must match."""
+    model: str
+    variant: str
+    layout: str
+    groups: str = "standard"
+    max_tokens: int = 32
+    teacher: "Job | str | None" = None
+    refusal: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.variant}-{self.layout}-t{self.max_tokens}"
+
+    def spec(self) -> dict:
+        teacher = self.teacher.name if isinstance(self.teacher, Job) else self.teacher
+        return {"groups": self.groups, "max_tokens": self.max_tokens, "teacher": teacher,
+                "refusal": self.refusal}
+
+
+def model_dir(name: str, work_dir: str) -> str:
+    """A real model under ``VLLM_PCP_MODELS_DIR`` (default /tmp/models), else a random-weight
+    bf16 one of ``configs/models/NAME.json`` (seed 0) built on first use into the work dir."""
+    if name in REAL_MODELS:
+        return os.path.join(os.environ.get("VLLM_PCP_MODELS_DIR", "/tmp/models"),
+                            REAL_MODELS[name])
+    full, base = name.endswith(FULL_DEPTH), name.removesuffix(FULL_DEPTH)
+    target = os.path.join(work_dir, "models-full" if full else "models", base)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with FileLock(target + ".lock"):
+        if not os.path.exists(os.path.join(target, "config.json")):
+            import torch
+            from transformers import AutoConfig, AutoModelForCausalLM
+            fields = json.loads(Path(ROOT, "configs", "models", base + ".json").read_text())
+            fields["num_hidden_layers"] = min(fields["num_hidden_layers"], 1000 if full else 4)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+            torch.manual_seed(0)
+            with torch.device("cuda"):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            model.save_pretrained(target)
+    return target
+
+
+def _run(job: Job, work_dir: str, path: str) -> dict:
+    """The worker's run, its process group killed on a refusal's timeout or an interrupt."""
+    out, log = (path.removesuffix(".json") + tail for tail in (".worker.json", ".log"))
+    if os.path.exists(out):
+        os.remove(out)  # never an earlier run's output
+    cmd = [*WORKER, "--model", model_dir(job.model, work_dir), "--layout", job.layout,
+           "--variant", job.variant, "--groups", "none" if job.refusal else job.groups,
+           "--max-tokens", str(job.max_tokens), "--out", out]
+    if job.teacher:
+        cmd += ["--teacher", job.teacher if isinstance(job.teacher, str)
+                else os.path.join(os.path.dirname(path), job.teacher.name + ".json")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+           **shared_gpu.env(), **layouts.LAYOUTS[job.layout].env,
+           "VLLM_PCP_CHECK_SAMPLED_TOKENS": "1"}
+    start, timed_out = time.perf_counter(), False
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=REFUSAL_TIMEOUT_S if job.refusal else None)
+        except BaseException as exc:
+            os.killpg(proc.pid, signal.SIGKILL)
+            if not isinstance(exc, subprocess.TimeoutExpired):
+                raise
+            returncode, timed_out = proc.wait(), True
+    entry = {"model": job.model, "variant": job.variant, "config": job.layout,
+             "job": job.spec(), "git_rev": results.git_rev(),
+             "session": os.environ.get(SESSION_VAR), "returncode": returncode,
+             "seconds": round(time.perf_counter() - start, 1)}
+    text = Path(log).read_text()
+    if job.refusal:
+        record = judge.refusal_record(text, returncode, timed_out, entry["seconds"],
+                                      time.time(), job.refusal)
+        return {**entry, "returncode": 0 if record["refused"] else 1, "refusal": record,
+                "log_tail": text[-6000:]}
+    if os.path.exists(out):  # a failed run may have saved a part
+        entry.update(json.loads(Path(out).read_text()))
+    if returncode:
+        entry.update(errors=judge.error_lines(text), log_tail=text[-6000:])
+    return entry
+
+
+def run_engine(job: Job, work_dir: str) -> dict:
+    """The raw entry of ``job`` (the worker's output; on a failure its errors), its teacher's
+    first."""
+    if isinstance(job.teacher, Job):
+        run_engine(job.teacher, work_dir)
+    path = os.path.join(work_dir, "raw", job.name + ".json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with FileLock(path + ".lock"):
+        if os.path.exists(path):
+            entry = json.loads(Path(path).read_text())
+            if entry["job"] == job.spec() and (
+                    not entry["returncode"] or entry["session"] == os.environ.get(SESSION_VAR)):
+                return entry
+        entry = _run(job, work_dir, path)
+        Path(path + ".tmp").write_text(json.dumps(entry))
+        os.replace(path + ".tmp", path)
+    return entry
+
+
+def compare_with_old(old_raw: str, work_dir: str, max_tokens: int = 32) -> list[dict]:
+    """Per engine of an old ``check_exactness.py`` raw file (``{"runs": [...]}``) that ran
+    again into ``work_dir``: ``same`` when every case both ran has the same prompts and
+    outputs (and scores), token for token and logprob for logprob."""
+    raw = [json.loads(p.read_text()) for p in Path(work_dir, "raw").glob(f"*-t{max_tokens}.json")]
+    new = {(e["model"], e["variant"], e["config"]): e for e in raw}
+    report = []
+    for run in json.loads(Path(old_raw).read_text())["runs"]:
+        entry = new.get((run["model"], run["variant"], run["config"]))
+        if entry is None:
+            continue
+        compared, differ = 0, []
+        for key, field in (("results", "outputs"), ("feature_results", "outputs"),
+                           ("scores", "scores")):
+            mine = {r["case"]: r for r in entry.get(key) or []}
+            for res in (r for r in run.get(key) or [] if r["case"] in mine):
+                compared += 1
+                other = mine[res["case"]]
+                if (res["prompt_lens"], res[field]) != (other["prompt_lens"], other[field]):
+                    differ.append(f"{key}:{res['case']}")
+        report.append({"job": f"{run['model']}:{run['variant']}:{run['config']}",
+                       "cases": compared, "differ": differ, "same": compared > 0 and not differ})
+    return report

@@ -1,0 +1,254 @@
+"""``vllm serve`` of a layout for test_serve.py: the server, a client of its OpenAI API, the
+judgments of what it answered (pure), and result files rewritten from each test's part."""
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import filelock
+import httpx
+import psutil
+
+import results
+import shared_gpu
+from judge import compare_outputs
+from layouts import LAYOUTS, serve_flags
+
+VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+TIMEOUT_S = 120.0  # a request not answered by then is a hang
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as "
+            "many clips in May. How many clips did Natalia sell altogether in April and "
+            "May? Explain step by step.")
+ABORTED_PROMPTS, ABORTED_PROMPT_TOKENS, HANG_UP_AFTER_S, ABORT_SETTLE_S = 4, 3500, 0.15, 2.0
+ABORT_LINE = re.compile(r"Request \S+ aborted\.")  # vLLM's, with --enable-log-requests
+WORKER_TITLE = re.compile(r"^\w+::Worker(_[A-Z]+\d+)*(\s|$)")  # VLLM::Worker_PCP1_DCP1
+DEATH_LINE = re.compile(r"died unexpectedly|EngineCore encountered a fatal error|EngineDeadError")
+FLAT_MIB, FLAT_FRACTION, WARMUP_S = 512.0, 0.05, 60.0  # the soak's memory: flat
+GSM8K_TOLERANCE_POINTS = 1.5
+Server = collections.namedtuple("Server", "url proc log command")  # log: a Path
+
+
+@contextlib.contextmanager
+def serve(layout: str, model: str, log: str, *flags: str, env: dict | None = None):
+    """``vllm serve MODEL`` of ``layout`` and ``flags`` on a free port, output in ``log``:
+    the :class:`Server` once /health answers (raises with the log's tail if it exits)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["serve", model, "--port", str(port), *serve_flags(layout), *flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **shared_gpu.env(), **LAYOUTS[layout].env,
+           **(env or {})}
+    (log := Path(log)).parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*VLLM, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", proc, log, shlex.join(["vllm", *args]))
+    try:
+        deadline = time.monotonic() + 900
+        while not healthy(server):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"{server.command}: exited ({proc.poll()}) or not healthy "
+                                   f"in 900 s; its log ends:\n{tail}")
+            time.sleep(1)
+        yield server
+    finally:  # SIGTERM to the process group, then SIGKILL to what is left of it
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+
+
+def call(server: Server, path: str, body=None, timeout_s: float = TIMEOUT_S) -> tuple:
+    """GET ``path``, or POST ``body`` (a dict, or raw bytes) as JSON: (status, JSON or text),
+    or (None, the error) when no answer came within ``timeout_s`` (the client hangs up)."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    try:
+        resp = httpx.request("GET" if body is None else "POST", server.url + path,
+                             content=data, timeout=timeout_s, trust_env=False,
+                             headers={"Content-Type": "application/json"})
+    except httpx.HTTPError as exc:
+        return None, repr(exc)[:300]
+    is_json = resp.headers.get("content-type", "").startswith("application/json")
+    return resp.status_code, resp.json() if is_json else resp.text
+
+
+def healthy(server: Server, timeout_s: float = 5.0) -> bool:
+    return call(server, "/health", timeout_s=timeout_s)[0] == 200
+
+
+def greedy(server: Server, model: str, prompt, max_tokens: int = 64, **extra) -> dict:
+    """One greedy completion's text, or an error."""
+    status, out = call(server, "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra})
+    return {"text": out["choices"][0]["text"]} if status == 200 else {"error": f"{status}: {out}"}
+
+
+def hang_up_mid_prefill(server: Server, model: str) -> int:
+    """Long distinct prompts whose clients hang up mid-prefill: how many gave up."""
+    def send(i: int) -> bool:
+        prompt = [(1000 + 7 * i + 13 * t) % 30000 + 100 for t in range(ABORTED_PROMPT_TOKENS)]
+        body = {"model": model, "prompt": prompt, "max_tokens": 64}
+        return call(server, "/v1/completions", body, HANG_UP_AFTER_S)[0] is None
+
+    with ThreadPoolExecutor(ABORTED_PROMPTS) as pool:
+        hung_up = sum(pool.map(send, range(ABORTED_PROMPTS)))
+    time.sleep(ABORT_SETTLE_S)  # the aborts reach the engine
+    return hung_up
+
+
+def soak_plan(ranks: int, host_gpus: int, duration_s: str | None = None) -> dict:
+    """The soak's load, lighter where ranks share GPUs (saying so); ``duration_s`` overrides."""
+    plan = {"concurrency": 64, "duration_s": 420.0, "max_tokens": 128, "cancel_every": 10,
+            "prompt_lens": [1024, 2048, 4096, 8192, 16384, 32768, 65536], "request_timeout_s": 120}
+    if host_gpus < ranks:
+        plan.update(concurrency=16, duration_s=180.0, prompt_lens=[1024, 4096, 16384],
+                    scaled_down=f"{ranks} ranks share {host_gpus} GPU(s)")
+    return {**plan, "duration_s": float(duration_s or plan["duration_s"])}
+
+
+def judge_chat(runs: list[dict]) -> dict:
+    """Chat runs held to pcp1's: the goals (vLLM's top-5 rule, a 4xx, the same text after the
+    bad request and after the hang-ups, all aborted), the same text, the largest logprob
+    difference before a divergence."""
+    base = next((r for r in runs if r["layout"] == "pcp1"), {"error": "no pcp1 run"})
+    if any("error" in r for r in [base, *runs]):
+        return {"goals": {}}
+    held = [compare_outputs(*({"token_ids": r["token_ids"], "logprobs": r["top_logprobs"]}
+                              for r in (run, base))) for run in runs if run is not base]
+    return {"same_text": all(r["text"] == base["text"] for r in runs),
+            "max_abs_logprob_diff": max((h["max_abs_logprob_diff"] for h in held), default=0.0),
+            "goals": {"top5_rule": all(h["passed"] for h in held),
+                      "bad_request_is_4xx": all(400 <= r["bad_request_status"] < 500 for r in runs),
+                      "serves_after_bad_request": all(
+                          r["text_after_bad_request"] == r["text"] for r in runs),
+                      "serves_after_abort_mid_prefill": all(
+                          r["clients_hung_up"] == ABORTED_PROMPTS == r["aborted_in_log"]
+                          and r["text_after_abort"] == r["text"] for r in runs)}}
+
+
+def judge_case(status: int | None, payload, choices: int, empty_text: bool,
+               reference: dict | None) -> dict:
+    """A bad request's outcome: "rejected" (a 4xx), "answered" (``choices`` texts, empty where
+    ``empty_text``) or "bad"; ok: not bad, and as ``reference`` (None: this is the reference)."""
+    texts = [c["text"] for c in payload["choices"]] if status == 200 else []
+    outcome = "rejected" if status is not None and 400 <= status < 500 else (
+        "answered" if len(texts) == choices and not (empty_text and any(texts)) else "bad")
+    ok = outcome != "bad" and (reference is None or (reference.get("outcome") == outcome and (
+        outcome == "rejected" or reference["texts"] == texts)))
+    return {"status": status, "outcome": outcome, "ok": ok,
+            "texts": texts if outcome == "answered" else str(payload)[:300]}
+
+
+def workers(server_pid: int) -> list[tuple[str, int]]:
+    """(title, pid) of the server's workers in rank order (titled by group, outermost first)."""
+    found = []
+    for proc in psutil.Process(server_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if WORKER_TITLE.match(title := " ".join(proc.cmdline())):
+                found.append((title.split()[0], proc.pid))
+    return sorted(found, key=lambda w: [int(i) for i in re.findall(r"\d+", w[0])])
+
+
+def judge_dead_rank(run: dict, log_text: str, stop_s: float = 60.0) -> dict:
+    """The log's lines about a worker's death, the rank vLLM's worker monitor names, and the
+    goals: stopped within ``stop_s``, the killed rank named, no request left to time out."""
+    lines = [line[:300] for line in log_text.splitlines() if DEATH_LINE.search(line)][:10]
+    named = next((int(m.group(1)) for m in (re.search(r"VllmWorker-(\d+) died unexpectedly", line)
+                                            for line in lines) if m), None)
+    return {"log_lines": lines, "named_rank": named, "goals": {
+        "stops_within_60s": run["seconds_to_stop"] <= stop_s,
+        "log_names_dead_rank": named == run["killed_rank"],
+        "no_request_waits_forever": all(r["seconds"] < TIMEOUT_S - 0.5 for r in run["requests"])}}
+
+
+def judge_soak(records: list[dict], samples: list[list], answers: dict, reference: dict) -> dict:
+    """The soak's outcomes, TTFT and ITL (recorded, never judged); memory ([s, RSS, GPU MiB]
+    samples) grown since WARMUP_S (caches full by then), flat within max(FLAT_MIB,
+    FLAT_FRACTION of that baseline); the greedy texts unlike -pcp 1's; its goals."""
+    import numpy as np
+
+    def pct(v: list) -> dict:
+        return {p: float(np.percentile(v, int(p[1:]))) if v else None for p in ("p50", "p99")}
+
+    count = {k: sum(r["outcome"] == k for r in records)
+             for k in ("done", "cancelled", "error", "hang")}
+    base = next((s for s in samples if s[0] >= WARMUP_S), samples[-1])
+    memory = {"warmup_s": WARMUP_S, "series": samples, **{name: {
+        "baseline_mib": base[col], "growth_mib": round(samples[-1][col] - base[col], 1),
+        "flat": samples[-1][col] - base[col] <= max(FLAT_MIB, FLAT_FRACTION * base[col])}
+        for col, name in ((1, "rss"), (2, "gpu"))}}
+    mismatches = [name for name, ref in reference.items()
+                  if "text" not in ref or answers.get(name, {}).get("text") != ref["text"]]
+    return {"outcomes": count, "ttft_s": pct([r["ttft_s"] for r in records if r["ttft_s"]]),
+            "itl_s": pct([gap for r in records for gap in r["itl_s"]]), "memory": memory,
+            "error_samples": [r for r in records if r["outcome"] in ("error", "hang")][:10],
+            "greedy": {"answers": answers, "mismatches": mismatches}, "goals": {
+                "no_errors": count["error"] == 0 and count["done"] > 0,
+                "no_hangs": count["hang"] == 0, "outputs_equal": bool(reference) and not mismatches,
+                "memory_flat": memory["rss"]["flat"] and memory["gpu"]["flat"]}}
+
+
+def gsm8k_rows(runs: list[dict], baseline: str = "pcp1") -> dict:
+    """gsm8k.json's rows: exact match in points and each one's distance from ``baseline``."""
+    rows = [{"config": r["layout"].removesuffix("-split-all"),
+             "questions": r["lm_eval_results"].get("sample_len"),
+             **{k: round(100 * r[f"exact_match_{k}"], 2) for k in ("strict", "flexible")}}
+            for r in runs if "error" not in r]
+    base = next((r for r in rows if r["config"] == baseline), None)
+    for row in rows if base else []:
+        if row is not base:
+            delta = {f"delta_{k}": round(row[k] - base[k], 2) for k in ("strict", "flexible")}
+            tolerated = max(map(abs, delta.values())) <= GSM8K_TOLERANCE_POINTS
+            row.update(delta, within_tolerance=tolerated)
+    return {"tolerance_points": GSM8K_TOLERANCE_POINTS, "rows": rows}
+
+
+def goals_file(runs: list[dict]) -> dict:
+    """serve-faults.json, serve-soak.json: each layout's goals, whether all are met."""
+    goals = {r["layout"]: r["goals"] for r in runs}
+    met = bool(goals) and all(g and all(v is True for v in g.values()) for g in goals.values())
+    return {"goals": goals, "all_goals_met": met, "runs": runs}
+
+
+def run_dir(request) -> str:
+    """This pytest run's folder in the work dir, shared by its xdist workers."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    return os.path.join(request.config.getoption("--engine-work-dir"), "serve", run)
+
+
+def cached(request, name: str, compute):
+    """``name``'s JSON in this run's folder, computed once a run; ``FILE/KEY``: FILE.json's part."""
+    path = Path(run_dir(request), f"{name}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(f"{path}.lock"):
+        if not path.exists():
+            (tmp := path.with_suffix(".tmp")).write_text(json.dumps(compute()))
+            tmp.replace(path)
+        return json.loads(path.read_text())
+
+
+def write_result(request, name: str, assemble, **meta) -> None:
+    """``name`` in --results-dir (if given): ``assemble`` of this run's parts so far."""
+    if not (out := request.config.getoption("--results-dir")):
+        return
+    argv = getattr(request.config, "workerinput", {}).get("mainargv")  # xdist's controller
+    command = "python -m pytest " + shlex.join(argv[1:]) if argv else None
+    stem = Path(run_dir(request), name.removesuffix(".json"))
+    with filelock.FileLock(f"{stem}.lock"):
+        parts = [json.loads(path.read_text()) for path in sorted(stem.glob("*.json"))]
+        shared = any(p.get("ranks_shared_gpus") for p in parts) or None
+        results.write(out, name, {"meta": results.meta(command, ranks_shared_gpus=shared, **meta),
+                                  **assemble(parts)})

@@ -1,0 +1,102 @@
+"""tests/engine/engines.py with a stand-in worker; the cases' prompts; the layouts' flags."""
+import hashlib
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engine"))
+import cases  # noqa: E402
+import engines  # noqa: E402
+import layouts  # noqa: E402
+
+# a stand-in worker: records its argv, fails with FAKE_FAIL set
+FAKE = """import json, os, sys, time
+args = sys.argv[1:]
+open(os.environ["CALLS"], "a").write(json.dumps(args) + "\\n")
+time.sleep(0.2)
+out = [{"case": "len_1", "prompt_lens": [1], "outputs": [{"token_ids": [5],
+       "logprobs": [{"5": -0.5}]}]}]
+json.dump({"results": out, "memory": None}, open(args[args.index("--out") + 1], "w"))
+sys.exit("RuntimeError: root cause" if os.environ.get("FAKE_FAIL") else 0)
+"""
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    (tmp_path / "fake.py").write_text(FAKE)
+    monkeypatch.setattr(engines, "WORKER", [sys.executable, str(tmp_path / "fake.py")])
+    monkeypatch.setenv("CALLS", str(tmp_path / "calls"))
+    monkeypatch.setenv("VLLM_PCP_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv(engines.SESSION_VAR, "one")
+    log = tmp_path / "calls"
+    return str(tmp_path / "work"), lambda: [json.loads(x) for x in log.read_text().splitlines()]
+
+
+def test_a_job_runs_once_after_its_teacher_and_a_failure_again_in_a_new_session(fake, monkeypatch):
+    work, calls = fake
+    base = engines.Job("smollm2", "chunked", "pcp1-v1", "standard,features", teacher="self")
+    job = engines.Job("smollm2", "chunked", "pcp2", teacher=base)
+    entry = engines.run_engine(job, work)
+    assert engines.run_engine(job, work) == entry and len(calls()) == 2
+    base_args, args = calls()
+    assert base_args[base_args.index("--teacher") + 1] == "self"
+    assert args[args.index("--teacher") + 1] == os.path.join(work, "raw", base.name + ".json")
+    assert entry["returncode"] == 0 and entry["results"][0]["case"] == "len_1"
+    monkeypatch.setenv("FAKE_FAIL", "1")
+    failed = engines.run_engine(engines.Job("smollm2", "chunked", "pcp4"), work)
+    assert failed["errors"] == ["RuntimeError: root cause"] and failed["results"]  # its part
+    engines.run_engine(engines.Job("smollm2", "chunked", "pcp4"), work)
+    assert len(calls()) == 3  # the same session reuses its failure
+    monkeypatch.setenv(engines.SESSION_VAR, "two")
+    engines.run_engine(engines.Job("smollm2", "chunked", "pcp4"), work)
+    engines.run_engine(job, work)  # a success is kept across sessions
+    engines.run_engine(engines.Job("smollm2", "chunked", "pcp2", "standard,features",
+                                   teacher=base), work)  # other groups: another run
+    assert len(calls()) == 5
+
+
+def test_workers_of_one_session_share_one_run_of_a_job(fake):
+    work, calls = fake
+    job = engines.Job("smollm2", "chunked", "pcp1-v1")
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda _: engines.run_engine(job, work), range(3)))
+    assert len(calls()) == 1 and len(got) == 3 and got[0] == got[1] == got[2]
+
+
+def test_the_cases_are_the_prompts_the_committed_results_ran():  # compared token for token
+    data = [cases.build_cases(32824, 151936), cases.build_cases(8152, 49152)] + [
+        cases.feature_cases(g, 32824, 151936, True) for g in ("features", "same-step",
+                                                               "preemption")]
+    digest = hashlib.sha1(json.dumps(data).encode()).hexdigest()
+    assert digest == "f489a439c3aa14e0a44fbeb0017f88295ce12f5e"
+
+
+@pytest.fixture(scope="module")
+def vllm_parse():
+    """``vllm serve``'s engine flags through vLLM 0.26.0's own parser."""
+    from vllm.platforms import current_platform
+
+    had = current_platform.device_type
+    current_platform.device_type = had or "cuda"  # DeviceConfig("auto") needs one
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    yield lambda flags: EngineArgs.from_cli_args(parser.parse_args(["--model", "x", *flags]))
+    current_platform.device_type = had
+
+
+@pytest.mark.parametrize("name", sorted(layouts.LAYOUTS))
+def test_serve_flags_say_what_engine_kwargs_say(vllm_parse, name):
+    kwargs, args = layouts.engine_kwargs(name), vllm_parse(layouts.serve_flags(name))
+    keys = ("prefill_context_parallel_size", "decode_context_parallel_size", "kv_cache_dtype",
+            "tensor_parallel_size", "cp_kv_cache_interleave_size", "enforce_eager")
+    assert {k: getattr(args, k) for k in keys} == {k: kwargs[k] for k in keys}
+    assert str(args.attention_backend) == kwargs["attention_backend"]
+    assert args.additional_config == kwargs.get("additional_config", {})
+    assert args.distributed_executor_backend == kwargs.get("distributed_executor_backend")
+    if "compilation_config" in kwargs:
+        assert args.compilation_config.pass_config.fuse_allreduce_rms is False

@@ -1,0 +1,129 @@
+"""tests/engine/judge.py: the top-5 rule, feature rules, refusals, the teacher measure, memory."""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engine"))
+import judge  # noqa: E402
+
+
+def _out(tokens, **extra):
+    """An output whose every position has a top-5 in which 2, 6 and 99 follow."""
+    return {"token_ids": tokens, **extra, "logprobs": [
+        {str(t): -0.1, **{str(o): -0.2 for o in (2, 6, 99) if o != t}} for t in tokens]}
+
+
+def _run(key, results, returncode=0):
+    return {"returncode": returncode, key: results, "errors": ["E: x"]}
+
+
+def test_the_top5_rule_and_cases_the_baseline_ran_otherwise():
+    a = {"token_ids": [5, 7], "logprobs": [{"5": -0.1}, {"7": -0.6, "8": -0.7}]}
+    b = {"token_ids": [5, 8], "logprobs": [{"5": -0.15}, {"8": -0.6, "7": -0.7}]}
+    c = {"token_ids": [5, 3], "logprobs": [{"5": -0.1}, {"3": -0.5, "8": -0.7}]}
+    assert judge.compare_outputs(a, b) == {"first_divergence": 1, "max_abs_logprob_diff": 0.05,
+                                           "passed": True, "baseline_margin": 0.1}
+    assert not any(judge.compare_outputs(x, y, k)["passed"]
+                   for x, y, k in ((c, b, 5), (a, b, 1), ({**a, "token_ids": [5]}, a, 5)))
+    res = [{"case": name, "prompt_lens": n, "outputs": [a] * len(n)}
+           for name, n in (("len_7", [7]), ("mixed", [3, 8152]), ("len_4099", [4099]))]
+    base = _run("results", [{**res[0], "outputs": [b]}, {**res[1], "prompt_lens": [3, 12000]}])
+    cases, skipped = judge.compare_run("m", "l", _run("results", res), base)
+    assert [(c["case"], c["max_baseline_margin"]) for c in cases] == [("len_7", 0.1)]
+    assert [c["reason"] for c in skipped] == ["the baseline ran prompts of [3, 12000] tokens",
+                                              "the baseline did not run this case"]
+    failed = judge.compare_run("m", "l", _run("results", [], 1), base)[0]
+    assert [(c["case"], c["passed"], c["errors"]) for c in failed] == [("engine", False, ["E: x"])]
+
+
+def _feature(kind, outputs, base_outputs, **extra):
+    res = {"case": kind, "kind": kind, "prompt_lens": [7], **extra}
+    base = {**res, "outputs": base_outputs, **({"preemptions": 2} if extra else {})}
+    return judge.compare_features("m", "l", _run("feature_results", [{**res, "outputs": outputs}]),
+                                  _run("feature_results", [base]))[0][0]["passed"]
+
+
+def test_each_feature_kind_has_its_own_rule_on_top_of_the_top5_rule():
+    four, tie = [_out([5, 6])] * 4, [_out([5, 6])] * 2 + [_out([5, 99]), _out([5, 6])]
+    assert _feature("burst", tie, four) and not _feature("sampled", tie, four, rule="exact")
+    assert not _feature("burst", four[:3], four)
+    base = [_out([5], prompt_logprobs=[-1.0] * 100)]
+    ours = [[_out([5], prompt_logprobs=[-1.0] * 99 + p)] for p in ([-1.5], [-2.5], [])]
+    assert [_feature("prompt_logprobs", x, base) for x in ours] == [True, False, False]
+    assert [_feature("preemption", [_out([5])], [_out([5])], preemptions=n)
+            for n in (0, 3)] == [False, True]
+    good = '{"name": "x", "count": 3, "tags": ["a"]}'
+    assert [_feature("json_schema", [_out([5], text=t)], [_out([5], text=good)])
+            for t in (good, '{"name": "x"')] == [True, False]
+
+
+MARK = judge.ENGINE_START_MARK + " 1000.0\n"
+SM90_LOG = MARK + """(Worker_PCP0 pid=8) ERROR 12-01 10:00:30 [multiproc_executor.py:800] \
+NotImplementedError: FlashInfer backend on SM90 currently crashes with sliding-window attention.
+(EngineCore pid=7) ERROR 12-01 10:00:31 [core.py:1330] Exception: WorkerProc initialization failed
+RuntimeError: Engine core initialization failed. See root cause above."""
+PYDANTIC_LOG = MARK + """pydantic_core._pydantic_core.ValidationError: 1 validation error \
+for VllmConfig
+  Value error, vllm-pcp cannot run --prefill-context-parallel-size 2 with:
+  - --kv-cache-dtype fp8: vllm-pcp's DCP runs unquantized KV caches [type=value_error]"""
+
+
+def test_a_refusal_names_its_setting_in_time_and_a_hang_or_another_error_is_none():
+    vllm = judge.refusal_record(SM90_LOG, 1, False, 45.0, 1031.5, judge.SLIDING_WINDOW_PATTERN)
+    assert vllm["refused"] and vllm["seconds_to_failure"] == 31.5
+    assert vllm["message"].startswith("NotImplementedError: FlashInfer backend on SM90")
+    assert vllm["errors"][-1].startswith("RuntimeError: Engine core initialization failed")
+    assert judge.refusal_record(PYDANTIC_LOG, 1, False, 9, 1008, "kv-cache-dtype fp8")["refused"]
+    for log, rc, hung, pattern in ((MARK + "ok", 0, False, "sliding"),
+                                   (SM90_LOG, -9, True, "sliding"), (SM90_LOG, 1, False, "cap")):
+        assert not judge.refusal_record(log, rc, hung, 1, 1001, pattern)["refused"]
+    assert [judge.refusal_case("m", "c", vllm, s)["passed"] for s in (120, 30)] == [True, False]
+
+
+def _stats(max_diff, p99, over=0, positions=256):
+    return dict(positions=positions, max_abs_logprob_diff=max_diff, p99_abs_logprob_diff=p99,
+                positions_over_1=over)
+
+
+def test_teacher_rows_pool_the_same_prompts_and_continuations_against_the_larger_floor():
+    assert judge.diff_stats(np.arange(101) / 100) == _stats(1.0, 0.99, positions=101)
+
+    def scores(*cases):
+        keys = ("case", "prompt_lens", "scores", "continuation_digests")
+        return _run("scores", [dict(zip(keys, c)) for c in cases])
+
+    run = scores(("len_7", [7], [[-1, -2.5], [-3.25]], ["a"]), ("mix", [8], [[-9]], ["a"]),
+                 ("burst", [5], [[-5.0]], ["b"]))
+    base = scores(("len_7", [7], [[-1, -2], [-3]], ["a"]), ("mix", [12], [[-1]], ["a"]),
+                  ("burst", [5], [[-1.0]], ["a"]))
+    rows, pooled = judge.teacher_cases("m", "l", run, base)
+    assert [r.get("not_compared", "")[:30] for r in rows] == [
+        "", "the baseline ran prompts of [1", "the baseline scored other cont"]
+    assert (pooled["cases"], pooled["positions"], pooled["max_abs_logprob_diff"]) == (1, 3, 0.5)
+    floors = {"pcp1-graphs": _stats(0.2, 0.05), "pcp1-flash-attn": _stats(0.1, 0.08)}
+    factors = {"pcp2": 1.0, "pcp2-dcp2-i1": 1.5, "pcp2-dcp2-i16": 1.5, "pcp4": 1.0, "pcp8": 1}
+    goal = judge.teacher_goal(floors, {"pcp2": _stats(0.2, 0.08), "pcp4": None,
+                                       "pcp2-dcp2-i1": _stats(0.3, 0.12, over=1),
+                                       "pcp2-dcp2-i16": _stats(0.3, 0.121)}, factors)
+    assert goal["larger_floor"] == {"max_abs_logprob_diff": 0.2, "p99_abs_logprob_diff": 0.08}
+    assert [goal[c] for c in factors] == [True, True, False, False, None]  # failed; not run
+    assert goal["no_position_over_1"] is False and goal["met"] is False
+    moe = judge.teacher_goal({"tp2": _stats(0.4, 0.2)}, {"pcp2": _stats(0.4, 0.2)}, {"pcp2": 1.0})
+    assert moe["larger_floor"]["max_abs_logprob_diff"] == 0.4 and moe["met"]  # -tp 2 alone
+
+
+def test_memory_judges_the_split_steps_and_keeps_prompt_logprob_phases_apart():
+    def rank(allocated, peak, profile=None):
+        return {"allocated_bytes": allocated * judge.GIB, "peak_allocated_bytes": peak * judge.GIB,
+                "profile_peak_bytes": profile and profile * judge.GIB,
+                "split_step_reserve_bytes": judge.GIB // 4}
+
+    phases = {"standard": [rank(10, 11)], "features": [rank(10, 13)], "scoring": [rank(10, 14)]}
+    run = {"feature_results": [{"case": "prompt_logprobs"}],
+           "memory": {"at_start": [rank(10, 10, 2)], "phases": phases}}
+    assert judge.rank_rows(run) == [{"step_peak_gib": 1.0, "profile_peak_gib": 2.0,
+                                     "split_step_reserve_gib": 0.25, "fits": True,
+                                     "prompt_logprobs_peak_gib": 4.0}]
+    run["feature_results"] = [{"case": "burst"}]  # then the feature cases are judged: over
+    assert judge.rank_rows(run)[0]["fits"] is False

@@ -1,0 +1,90 @@
+"""tests/engine/serve.py's judgments: the chat's top-5 rule, bad requests, the dead rank, the
+soak's goals, gsm8k's tolerance, result files from parts."""
+import json
+from types import SimpleNamespace
+
+import serve
+
+
+def test_chat_is_held_to_pcp1_by_the_top5_rule():
+    def chat(layout="pcp2", ids=(5, 7), top=None, **kw):
+        return {"layout": layout, "text": "a", "token_ids": list(ids), "top_logprobs": top or [
+            {str(t): -0.1} for t in ids], "bad_request_status": 400, "text_after_bad_request": "a",
+            "clients_hung_up": 4, "aborted_in_log": 4, "text_after_abort": "a", **kw}
+
+    def goals(*runs):
+        return serve.judge_chat(list(runs))["goals"]
+    base = chat("pcp1", top=[{"5": -0.1}, {"7": -0.2, "8": -0.3}])
+    near_tie = chat(ids=(5, 8), top=[{"5": -0.1}, {"8": -0.2, "7": -0.21}])
+    assert all(goals(near_tie, base).values())  # pcp1's run is the base wherever it is
+    assert not goals(base, chat(ids=(5, 9), top=[{"5": -0.1}, {"9": -0.2}]))["top5_rule"]
+    for bad in ({"text_after_abort": "x"}, {"aborted_in_log": 3}, {"clients_hung_up": 0}):
+        assert not goals(base, chat(**bad))["serves_after_abort_mid_prefill"]
+    assert not goals(base, chat(bad_request_status=500))["bad_request_is_4xx"]
+    assert goals(base, {"layout": "pcp2", "error": "x"}) == {}
+    log = "Request cmpl-a aborted.\nAborted request(s) cmpl-a-0.\nRequest cmpl-b aborted.\n"
+    assert len(serve.ABORT_LINE.findall(log)) == 2  # one line a request
+
+
+def test_bad_requests_are_rejected_or_answered_as_the_reference():
+    ok = {"choices": [{"index": 0, "text": "x"}]}
+    answered = serve.judge_case(200, ok, 1, False, None)
+    assert answered["ok"] and answered["texts"] == ["x"]
+    assert serve.judge_case(422, {}, 1, False, None)["outcome"] == "rejected"
+    # n choices asked, one came; max_tokens 0 with a text; a 5xx; no answer
+    for args in ((200, ok, 2, False), (200, ok, 1, True), (500, {}, 1, False), (None, "", 1, 0)):
+        assert not serve.judge_case(*args, None)["ok"]
+    # held to the reference: the same texts, the same outcome, a case it has
+    for ref in (answered, {**answered, "texts": ["y"]}, {**answered, "outcome": "rejected"}, {}):
+        assert serve.judge_case(200, ok, 1, False, ref)["ok"] is (ref is answered)
+
+
+def test_the_dead_rank_is_named_by_vllms_worker_monitor():
+    log = ("(Worker_PCP1 pid=42) INFO loaded\n(EngineCore pid=9) ERROR Worker proc VllmWorker-1 "
+           "died unexpectedly (exit code: -9), shutting down executor.\n"
+           "(EngineCore pid=9) ERROR [core.py:1330] EngineCore encountered a fatal error.\n")
+    run = {"seconds_to_stop": 9.1, "killed_rank": 1, "requests": [{"seconds": 9.0}] * 2}
+    judged = serve.judge_dead_rank(run, log)
+    assert judged["named_rank"] == 1 and len(judged["log_lines"]) == 2
+    assert all(judged["goals"].values())
+    late = {**run, "seconds_to_stop": 90.0, "requests": [{"seconds": serve.TIMEOUT_S}]}
+    assert not any(serve.judge_dead_rank(late, "nothing here")["goals"].values())
+
+
+def test_the_soak_is_scaled_down_on_shared_gpus_and_judged():
+    shared = serve.soak_plan(2, 1, "30")
+    assert serve.soak_plan(2, 2)["concurrency"] == 64 and "share" in shared["scaled_down"]
+    assert (shared["concurrency"], shared["duration_s"]) == (16, 30.0)  # and it says so
+    recs = [{"outcome": o, "ttft_s": 0.5, "itl_s": [.1, .3]} for o in ["done"] * 8 + ["cancelled"]]
+    steady, ref = [[0, 900, 1], [70, 4000, 1], [140, 4300, 1]], {"a": {"text": "x"}}
+    soak = serve.judge_soak(recs, steady, ref, ref)
+    assert soak["outcomes"] == {"done": 8, "cancelled": 1, "error": 0, "hang": 0}
+    assert soak["ttft_s"]["p50"] == 0.5 and soak["itl_s"]["p50"] == 0.2
+    assert soak["memory"]["rss"]["growth_mib"] == 300.0 and all(soak["goals"].values())
+    growing = [[0, 900, 1], [70, 4000, 1], [140, 4300, 6000]]  # GPU memory
+    assert not serve.judge_soak(recs, growing, ref, ref)["goals"]["memory_flat"]
+    hung = serve.judge_soak([*recs, {**recs[0], "outcome": "hang"}], steady, {"a": {}}, ref)
+    assert hung["greedy"]["mismatches"] == ["a"] and len(hung["error_samples"]) == 1
+    assert not any(hung["goals"][k] for k in ("no_hangs", "outputs_equal"))
+
+
+def test_gsm8k_rows_and_result_files_from_parts(tmp_path, monkeypatch):
+    rows = serve.gsm8k_rows([{"layout": n, "exact_match_strict": s, "exact_match_flexible": f,
+                              "lm_eval_results": {"sample_len": 300}} for n, s, f in (
+        ("pcp1", 0.13, 0.15), ("pcp2-split-all", 0.1333, 0.1467), ("tp2", 0.1, 0.15))])["rows"]
+    assert rows[0] == {"config": "pcp1", "questions": 300, "strict": 13.0, "flexible": 15.0}
+    assert rows[1]["config"] == "pcp2" and rows[1]["delta_strict"] == 0.33
+    assert rows[1]["within_tolerance"] and not rows[2]["within_tolerance"]
+    options = {"--engine-work-dir": str(tmp_path / "work"), "--results-dir": str(tmp_path / "out")}
+    request = SimpleNamespace(config=SimpleNamespace(getoption=options.get))
+    monkeypatch.setattr(serve.results, "meta", lambda command=None, **kw: {"git_rev": "abc", **kw})
+    for name, goals, shared in (("pcp1", {"g": True}, False), ("pcp2", {"g": False}, True)):
+        serve.cached(request, f"serve-soak/{name}", lambda: {
+            "layout": name, "goals": goals, "ranks_shared_gpus": shared})
+    assert serve.cached(request, "serve-soak/pcp1", dict)["goals"] == {"g": True}  # computed once
+    serve.write_result(request, "serve-soak.json", serve.goals_file)
+    out = json.loads((tmp_path / "out" / "serve-soak.json").read_text())
+    assert out["meta"] == {"git_rev": "abc", "ranks_shared_gpus": True}
+    assert out["goals"] == {"pcp1": {"g": True}, "pcp2": {"g": False}}
+    assert out["all_goals_met"] is False and len(out["runs"]) == 2
+    assert not serve.goals_file([{"layout": "x", "goals": {}}])["all_goals_met"]  # an error
