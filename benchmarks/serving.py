@@ -12,18 +12,15 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from argparse import ArgumentParser, RawDescriptionHelpFormatter
 
-from latency import LAYOUTS, VLLM, bench_model, check_layouts, results, serve_flags
+from latency import LAYOUTS, VLLM, bench_model, check_layouts, results
+from serve import serve  # tests/engine/serve.py: start, wait for /health, stop
 
 KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("mean", "p50", "p90", "p99")]
-CONCURRENCIES, INPUT_LEN, OUTPUT_LEN, PROMPTS, PORT = (4, 16), 16384, 128, 16, 8124
-URL = f"http://127.0.0.1:{PORT}"
+CONCURRENCIES, INPUT_LEN, OUTPUT_LEN, PROMPTS = (4, 16), 16384, 128, 16
 
 
 def serve_rows(result_files: list[str]) -> list[dict]:
@@ -39,48 +36,29 @@ def serve_rows(result_files: list[str]) -> list[dict]:
     return rows
 
 
-def healthy(server: subprocess.Popen, timeout_s: float = 900) -> bool:
-    """Whether the server answers /health before it exits or ``timeout_s`` pass."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{URL}/health", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            time.sleep(5)
-    return False
-
-
 def bench_layout(layout: str, model: str, tokenizer: str, out_dir: str) -> list[str]:
     """Serve ``layout`` and bench it at each concurrency: the result files made."""
-    env = {**os.environ, **LAYOUTS[layout].env}
     made = []
-    with open(os.path.join(out_dir, f"{layout}-server.log"), "w") as log:
-        server = subprocess.Popen(
-            [*VLLM, "serve", model, "--tokenizer", tokenizer, "--load-format", "dummy",
-             "--seed", "0", "--port", str(PORT),
-             "--max-model-len", str(INPUT_LEN + OUTPUT_LEN + 64),
-             *serve_flags(layout, cuda_graphs=True)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            for conc in CONCURRENCIES if healthy(server) else ():
+    try:
+        with serve(layout, model, os.path.join(out_dir, f"{layout}-server.log"),
+                   "--tokenizer", tokenizer, "--load-format", "dummy", "--seed", "0",
+                   "--max-model-len", str(INPUT_LEN + OUTPUT_LEN + 64),
+                   cuda_graphs=True, share_gpus=False) as server:
+            for conc in CONCURRENCIES:
                 name = f"{layout}-c{conc}.json"
                 if subprocess.run([
-                        *VLLM, "bench", "serve", "--backend", "vllm", "--base-url", URL,
+                        *VLLM, "bench", "serve", "--backend", "vllm", "--base-url", server.url,
                         "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
                         "--random-input-len", str(INPUT_LEN),
                         "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(PROMPTS),
                         "--max-concurrency", str(conc), "--seed", str(conc), "--ignore-eos",
                         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles",
                         "50,90,99", "--save-result", "--result-dir", out_dir,
-                        "--result-filename", name], env=env).returncode == 0:
+                        "--result-filename", name],
+                        env={**os.environ, **LAYOUTS[layout].env}).returncode == 0:
                     made.append(os.path.join(out_dir, name))
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+    except RuntimeError as exc:  # the server exited or never answered: the layout failed
+        print(exc, file=sys.stderr)
     return made
 
 

@@ -4,7 +4,6 @@ xdist) with ``--results-dir DIR``, the result files of every row in the work dir
 import json
 import os
 import re
-import shlex
 import uuid
 from pathlib import Path
 
@@ -23,8 +22,7 @@ def pytest_configure(config):
 @pytest.fixture
 def record(request):
     """``record(kind, key, runs, **judged)``: this test's row (rows.py), replacing its last."""
-    argv = getattr(request.config, "workerinput", {}).get("mainargv")  # xdist's controller's
-    command = "python -m pytest " + shlex.join(argv[1:]) if argv else results.pytest_command()
+    command = results.pytest_command(request.config)
 
     def write(kind: str, key: tuple, runs: list[dict], **judged) -> None:
         row = {"test": request.node.nodeid, "kind": kind, "key": list(key),

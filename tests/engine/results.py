@@ -40,10 +40,10 @@ def git_rev() -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def pytest_command() -> str:
-    """The command line that ran this session, as a user would type it."""
-    args = [a for a in sys.argv[1:]]
-    return "python -m pytest " + " ".join(shlex.quote(a) for a in args)
+def pytest_command(config=None) -> str:
+    """The command line that started this session (on an xdist worker: its controller's)."""
+    argv = getattr(config, "workerinput", {}).get("mainargv") or sys.argv
+    return "python -m pytest " + shlex.join(argv[1:])
 
 
 def meta(command: str | None = None, host: dict | None = None, **extra) -> dict:

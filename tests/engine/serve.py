@@ -40,15 +40,18 @@ Server = collections.namedtuple("Server", "url proc log command")  # log: a Path
 
 
 @contextlib.contextmanager
-def serve(layout: str, model: str, log: str, *flags: str, env: dict | None = None):
+def serve(layout: str, model: str, log: str, *flags: str, env: dict | None = None,
+          cuda_graphs: bool | None = None, share_gpus: bool = True):
     """``vllm serve MODEL`` of ``layout`` and ``flags`` on a free port, output in ``log``:
-    the :class:`Server` once /health answers (raises with the log's tail if it exits)."""
+    the :class:`Server` once /health answers (raises with the log's tail if it exits).
+    ``cuda_graphs`` overrides the layout's; ``share_gpus=False`` (benchmarks) leaves the
+    shared-GPU harness out."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ["serve", model, "--port", str(port), *serve_flags(layout), *flags]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **shared_gpu.env(), **LAYOUTS[layout].env,
-           **(env or {})}
+    args = ["serve", model, "--port", str(port), *serve_flags(layout, cuda_graphs), *flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(shared_gpu.env() if share_gpus else {}),
+           **LAYOUTS[layout].env, **(env or {})}
     (log := Path(log)).parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen([*VLLM, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -244,8 +247,7 @@ def write_result(request, name: str, assemble, **meta) -> None:
     """``name`` in --results-dir (if given): ``assemble`` of this run's parts so far."""
     if not (out := request.config.getoption("--results-dir")):
         return
-    argv = getattr(request.config, "workerinput", {}).get("mainargv")  # xdist's controller
-    command = "python -m pytest " + shlex.join(argv[1:]) if argv else None
+    command = results.pytest_command(request.config)
     stem = Path(run_dir(request), name.removesuffix(".json"))
     with filelock.FileLock(f"{stem}.lock"):
         parts = [json.loads(path.read_text()) for path in sorted(stem.glob("*.json"))]
