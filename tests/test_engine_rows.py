@@ -16,34 +16,16 @@ TABLES = dict(zip(FILES, (report.exactness_table, report.exactness_table,
                          report.features_table, report.teacher_table)))
 
 
-def _load(name):
-    with open(os.path.join(ROOT, "tests", "gpu", "results", name)) as f:
+RESULTS = os.path.join(ROOT, "tests", "gpu", "results")
+
+
+def _load(name, results_dir=RESULTS):
+    with open(os.path.join(results_dir, name)) as f:
         return json.load(f)
 
 
 def _committed_rows() -> list[dict]:
-    """A row per file's cases, per teacher-forced layout and per engine's memory."""
-    pcp, dcp, features, teacher, memory = map(_load, FILES)
-
-    def row(kind, key, doc={}, field="cases", **extra):
-        return {"kind": kind, "key": key, "runs": [], "session": "s", "cases": doc.get(field, []),
-                "not_compared": doc.get("not_compared", []), **extra}
-
-    out = [row("greedy", ["pcp"], pcp, dcp=1), row("greedy", ["dcp"], dcp, dcp=2),
-           row("floor", ["floor"], pcp, "noise_floor_cases", teacher=None),
-           row("features", ["f"], features)]
-    out += [row("memory", [r["model"], r["variant"], r["config"]], ranks=r["ranks"])
-            for r in memory["runs"]]
-    scored = [(model, group, label, stats) for model, m in teacher["summary"]["models"].items()
-              for group in ("noise_floor", "configs") for label, stats in m[group].items()]
-    for i, (model, group, label, stats) in enumerate(scored):
-        config, base = label.split(" vs ")
-        run = {"model": model, "config": config, "base": base, "pooled": stats, "cases": []}
-        out.append(row("floor", [f"{i:03}"], teacher=run) if group == "noise_floor"
-                   else row("teacher", [f"{i:03}"], **run))
-    next(r for r in out if r["kind"] == "teacher")["cases"] = teacher["cases"]
-    next(r for r in out if r.get("teacher"))["teacher"]["cases"] = teacher["noise_floor_cases"]
-    return out
+    return rows.committed_rows(RESULTS)
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -59,6 +41,7 @@ def test_written_files_carry_meta_and_only_from_a_session_that_recorded(tmp_path
     for i, row in enumerate(_committed_rows()):
         row["runs"] = [{"model": "m", "variant": "v", "config": f"c{i}", "shared_gpus": "1",
                         "git_rev": "aaa" if i % 2 else "bbb"}]
+        row["session"] = "s"
         (tmp_path / "rows" / f"{i}.json").write_text(json.dumps(row))
     assert rows.write_results(str(tmp_path), str(tmp_path / "out"), "another session") == []
     paths = rows.write_results(str(tmp_path), str(tmp_path / "out"), "s")
@@ -67,3 +50,33 @@ def test_written_files_carry_meta_and_only_from_a_session_that_recorded(tmp_path
     assert {"git_rev", "command", "gpu", "vllm", "flashinfer", "torch", "date",
             "measure"} <= set(meta) and set(meta["runs_by_git_rev"]) == {"aaa", "bbb"}
     assert meta["ranks_shared_gpus"]["gpus"] == 1
+
+
+def test_a_session_replaces_its_engines_rows_and_keeps_the_others(tmp_path):
+    """A slice run into a folder of committed files: its engines' cases replace theirs, every
+    other engine's stay, and a file it holds no row of is left as it was."""
+    results_dir, key = tmp_path / "results", ["qwen2.5-3b-shape", "chunked", "pcp2"]
+    results_dir.mkdir()
+    for name in FILES:
+        (results_dir / name).write_text(json.dumps(_load(name)))
+    old = [c for c in _load("exactness-pcp.json")["cases"]
+           if c["config"] == "pcp2 vs pcp1-v1, chunked" and c["model"] == key[0]]
+    case = {**old[0], "passed": False, "first_divergence": 3}
+    row = {"kind": "greedy", "key": key, "session": "new", "command": "pytest slice", "dcp": 1,
+           "cases": [case], "not_compared": [], "runs": [
+               {"model": key[0], "variant": "chunked", "config": c, "git_rev": "ccc",
+                "shared_gpus": "1"} for c in ("pcp2", "pcp1-v1")]}
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "r.json").write_text(json.dumps(row))
+    paths = rows.write_results(str(tmp_path), str(results_dir), "new", host={"gpu": "g"})
+    assert [os.path.basename(p) for p in paths] == ["exactness-pcp.json"]
+    merged, committed = _load("exactness-pcp.json", results_dir), _load("exactness-pcp.json")
+    assert [c for c in merged["cases"] if c["config"] == case["config"]
+            and c["model"] == key[0]] == [case]
+    assert len(merged["cases"]) == len(committed["cases"]) - len(old) + 1
+    assert merged["summary"]["passed"] == (committed["summary"]["passed"]
+                                           - sum(c["passed"] for c in old))
+    assert merged["meta"]["runs_by_git_rev"]["ccc"] == [f"{key[0]}:chunked:pcp1-v1",
+                                                        f"{key[0]}:chunked:pcp2"]
+    assert "pytest slice" in merged["meta"]["commands"] and merged["meta"]["gpu"] == "g"
+    assert _load("memory.json", results_dir) == _load("memory.json")

@@ -1,24 +1,37 @@
 """The engine checks' result files (tests/gpu/results schemas) from the rows their tests
-write (``WORK/rows/TEST.json``: ``kind``, ``key``, ``session``, ``runs``, what it judged)."""
+write (``WORK/rows/TEST.json``: ``kind``, ``key``, ``session``, ``runs``, what it judged).
+
+A file already in ``--results-dir`` is cut back into rows (:func:`committed_rows`), one per
+kind and engine; a session's rows replace those of the same kind and engine, the rest stay
+with their revisions (``meta.runs_by_git_rev``). So a slice run into ``tests/gpu/results``
+updates what it re-ran and keeps the rest."""
 import json
 from pathlib import Path
 
 import judge
 import results
 
+FILES = ("exactness-pcp.json", "exactness-dcp.json", "exactness-features.json",
+         "exactness-teacher.json", "memory.json")
 SHARED_NOTE = ("every rank of these engines ran on the same GPU(s) and talked over "
                "NCCL's network transport on the loopback interface: outputs, not speed")
 
 
 def meta_extra(rows: list[dict]) -> dict:
     """``ranks_shared_gpus`` where ranks shared GPUs, ``runs_by_git_rev`` where engines ran
-    at more than one revision."""
-    runs = {(r["model"], r["variant"], r["config"]): r for row in rows for r in row["runs"]}
-    shared = {r["config"]: r["shared_gpus"] for r in runs.values() if r.get("shared_gpus")}
-    by_rev: dict[str, list] = {}
-    for key, run in sorted(runs.items()):
-        by_rev.setdefault(run.get("git_rev") or "unknown", []).append(":".join(key))
+    at more than one revision (an engine that rows took from two runs: under both),
+    ``commands`` where rows came from more than one."""
+    runs = [r for row in rows for r in row["runs"]]
+    shared = {r["config"]: r["shared_gpus"] for r in runs if r.get("shared_gpus")}
+    revs: dict[str, set] = {}
+    for run in runs:
+        revs.setdefault(run.get("git_rev") or "unknown", set()).add(
+            ":".join((run["model"], run["variant"], run["config"])))
+    by_rev = {rev: sorted(keys) for rev, keys in sorted(revs.items())}
     extra = {}
+    commands = sorted({row["command"] for row in rows if row.get("command")})
+    if len(commands) > 1:
+        extra["commands"] = commands
     if shared:
         extra["ranks_shared_gpus"] = {"gpus": max(map(int, shared.values())),
                                       "configs": sorted(shared), "note": SHARED_NOTE}
@@ -107,14 +120,104 @@ def assemble(rows: list[dict]) -> dict[str, tuple[list[dict], dict]]:
             for name, (chosen, extra, build) in files.items() if chosen}
 
 
-def write_results(work_dir: str, results_dir: str, session: str | None) -> list[str]:
-    """The paths of the result files of the rows in ``work_dir`` (if this session wrote one)."""
+def _key(model: str, label: str) -> tuple[tuple, str | None]:
+    """``(model, variant, layout)`` and the baseline of a case's ``config`` label:
+    "pcp2 vs pcp1-v1, chunked", "pcp2, unchunked" (a refusal), "pcp2 vs pcp1-v1" (teacher)."""
+    head, sep, variant = label.rpartition(", ")
+    head, variant = (head, variant) if sep else (label, "chunked")
+    layout, _, base = head.partition(" vs ")
+    return (model, variant, layout), base or None
+
+
+def _by_key(cases: list[dict]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for case in cases:
+        out.setdefault(_key(case["model"], case["config"])[0], []).append(case)
+    return out
+
+
+def _cut_cases(doc: dict, add, kind_of, **fields) -> None:
+    """``add(kind_of(cases), key, base, **fields, ...)`` per engine of ``cases``,
+    ``add("floor", ...)`` per engine of ``noise_floor_cases``."""
+    skipped = _by_key(doc.get("not_compared", []))
+    for key, cases in _by_key(doc.get("cases", [])).items():
+        add(kind_of(cases), key, _key(key[0], cases[0]["config"])[1], cases=cases,
+            not_compared=skipped.get(key, []), **fields)
+    for key, cases in _by_key(doc.get("noise_floor_cases", [])).items():
+        add("floor", key, _key(key[0], cases[0]["config"])[1], cases=cases)
+
+
+def _cut_teacher(doc: dict, add) -> None:
+    """``add`` per model's layout (a teacher row) and floor (a floor row's ``teacher``)."""
+    scored = {"teacher": _by_key(doc["cases"]), "floor": _by_key(doc["noise_floor_cases"])}
+    for model, by in doc["summary"]["models"].items():
+        for kind, group in (("teacher", "configs"), ("floor", "noise_floor")):
+            for label, pooled in by[group].items():
+                (_, _, config), base = _key(model, label)
+                key = (model, "chunked", config)
+                row = {"model": model, "config": config, "base": base, "pooled": pooled,
+                       "cases": scored[kind].get(key, [])}
+                add(kind, key, base, **(row if kind == "teacher" else {"teacher": row}))
+
+
+def _cut(name: str, doc: dict, add) -> None:
+    """``add(kind, key, base, **fields)`` for each engine's part of the file ``name``."""
+    if name == "memory.json":
+        for r in doc["runs"]:
+            add("memory", (r["model"], r["variant"], r["config"]), ranks=r["ranks"])
+    elif name == "exactness-teacher.json":
+        _cut_teacher(doc, add)
+    elif name == "exactness-features.json":
+        _cut_cases(doc, add, lambda cases: "refusal" if {c["case"] for c in cases} == {"refusal"}
+                   else "features")
+    else:
+        _cut_cases(doc, add, lambda _: "greedy", dcp=1 if name == "exactness-pcp.json" else 2)
+
+
+def _adder(out: dict, meta: dict):
+    """``add(kind, key, base, **fields)`` into ``out``: a row with the runs of ``key`` and
+    its ``base`` at their revisions in ``meta``."""
+    revs = {k: rev for rev, keys in (meta.get("runs_by_git_rev") or {}).items() for k in keys}
+    shared = meta.get("ranks_shared_gpus") or {}
+
+    def run(model, variant, config):
+        return {"model": model, "variant": variant, "config": config,
+                "git_rev": revs.get(f"{model}:{variant}:{config}", meta.get("git_rev")),
+                "shared_gpus": str(shared["gpus"]) if config in shared.get("configs", ()) else None}
+
+    def add(kind, key, base=None, /, **fields):
+        out.setdefault((kind, key), {
+            "kind": kind, "key": list(key), "session": None, "command": meta.get("command"),
+            "runs": [run(*key)] + ([run(*key[:2], base)] if base else []),
+            "cases": [], "teacher": None}).update(fields)
+    return add
+
+
+def committed_rows(results_dir: str) -> list[dict]:
+    """The rows the result files in ``results_dir`` hold: a row per kind and engine, its runs
+    at the revisions of the file's ``meta``, ``session`` None."""
+    out: dict[tuple, dict] = {}
+    for name in FILES:
+        path = Path(results_dir, name)
+        if path.exists():
+            doc = json.loads(path.read_text())
+            _cut(name, doc, _adder(out, doc["meta"]))
+    return list(out.values())
+
+
+def write_results(work_dir: str, results_dir: str, session: str | None,
+                  **meta_fields) -> list[str]:
+    """The paths of the result files that hold a row of ``session`` from ``work_dir``, each
+    merged into its file already in ``results_dir``; ``meta_fields`` go into their ``meta``
+    (results.meta's ``command``, ``host``, or a field of its own)."""
     rows = [json.loads(p.read_text()) for p in sorted(Path(work_dir, "rows").glob("*.json"))]
-    if not any(r.get("session") == session for r in rows):
-        return []
+    fresh = {(r["kind"], tuple(r["key"])) for r in rows}
+    rows += [r for r in committed_rows(results_dir) if (r["kind"], tuple(r["key"])) not in fresh]
     paths = []
     for name, (used, payload) in assemble(rows).items():
-        extra = meta_extra(used)
+        if not any(r.get("session") == session for r in used):
+            continue
+        extra = {**meta_extra(used), **meta_fields}
         if name == "exactness-teacher.json":
             extra["measure"] = judge.TEACHER_MEASURE
         paths.append(results.write(results_dir, name, {"meta": results.meta(**extra), **payload}))
