@@ -66,6 +66,17 @@ def test_workers_of_one_session_share_one_run_of_a_job(fake):
     assert len(calls()) == 1 and len(got) == 3 and got[0] == got[1] == got[2]
 
 
+def test_a_repeat_is_a_run_of_its_own_and_differences_are_named(fake):
+    work, calls = fake
+    job = engines.Job("smollm2", "chunked", "pcp1-v1")
+    first, again = (engines.run_engine(j, work) for j in (job, engines.Job(**{
+        **job.__dict__, "repeat": 1})))
+    assert len(calls()) == 2 and again["results"] == first["results"]
+    assert engines.judge.differing_cases(first, again) == (1, [])
+    again["results"][0]["outputs"][0]["logprobs"][0]["5"] = -0.5000001
+    assert engines.judge.differing_cases(first, again) == (1, ["results:len_1"])
+
+
 def test_the_cases_are_the_prompts_the_committed_results_ran():  # compared token for token
     data = [cases.build_cases(32824, 151936), cases.build_cases(8152, 49152)] + [
         cases.feature_cases(g, 32824, 151936, True) for g in ("features", "same-step",

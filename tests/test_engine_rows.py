@@ -80,3 +80,18 @@ def test_a_session_replaces_its_engines_rows_and_keeps_the_others(tmp_path):
                                                         f"{key[0]}:chunked:pcp2"]
     assert "pytest slice" in merged["meta"]["commands"] and merged["meta"]["gpu"] == "g"
     assert _load("memory.json", results_dir) == _load("memory.json")
+
+
+def test_repeated_engines_make_a_file_that_cuts_back_into_their_rows(tmp_path):
+    (tmp_path / "rows").mkdir()
+    judged = {"pcp1-v1": (21, []), "pcp2": (21, ["results:mixed_batch"])}
+    for config, (compared, differ) in judged.items():
+        row = {"kind": "repeat", "key": ["m", "chunked", config], "session": "s", "command": "c",
+               "compared": compared, "differ": differ, "runs": [
+                   {"model": "m", "variant": "chunked", "config": config, "git_rev": "aaa"}] * 2}
+        (tmp_path / "rows" / f"{config}.json").write_text(json.dumps(row))
+    rows.write_results(str(tmp_path), str(tmp_path / "out"), "s", host={})
+    doc = _load("repeatability.json", tmp_path / "out")
+    assert doc["summary"] == {"engines": 2, "repeatable": False}
+    assert {r["key"][2]: (r["compared"], r["differ"]) for r in rows.committed_rows(
+        str(tmp_path / "out"))} == judged

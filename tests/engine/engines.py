@@ -29,7 +29,7 @@ FULL_DEPTH = "-full"  # NAME-full: NAME with every layer of its config (else 4)
 @dataclass(frozen=True)
 class Job:
     """``teacher``: "self" or the job whose greedy outputs it scores; ``refusal``: a pattern
-    its start-up error must match."""
+    its start-up error must match; ``repeat``: the same job run once more (its own raw)."""
     model: str
     variant: str
     layout: str
@@ -37,10 +37,12 @@ class Job:
     max_tokens: int = 32
     teacher: "Job | str | None" = None
     refusal: str | None = None
+    repeat: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.model}-{self.variant}-{self.layout}-t{self.max_tokens}"
+        again = f"-r{self.repeat}" if self.repeat else ""
+        return f"{self.model}-{self.variant}-{self.layout}-t{self.max_tokens}{again}"
 
     def spec(self) -> dict:
         teacher = self.teacher.name if isinstance(self.teacher, Job) else self.teacher
@@ -140,18 +142,9 @@ def compare_with_old(old_raw: str, work_dir: str, max_tokens: int = 32) -> list[
     new = {(e["model"], e["variant"], e["config"]): e for e in raw}
     report = []
     for run in json.loads(Path(old_raw).read_text())["runs"]:
-        entry = new.get((run["model"], run["variant"], run["config"]))
-        if entry is None:
-            continue
-        compared, differ = 0, []
-        for key, field in (("results", "outputs"), ("feature_results", "outputs"),
-                           ("scores", "scores")):
-            mine = {r["case"]: r for r in entry.get(key) or []}
-            for res in (r for r in run.get(key) or [] if r["case"] in mine):
-                compared += 1
-                other = mine[res["case"]]
-                if (res["prompt_lens"], res[field]) != (other["prompt_lens"], other[field]):
-                    differ.append(f"{key}:{res['case']}")
-        report.append({"job": f"{run['model']}:{run['variant']}:{run['config']}",
-                       "cases": compared, "differ": differ, "same": compared > 0 and not differ})
+        if (entry := new.get((run["model"], run["variant"], run["config"]))) is not None:
+            compared, differ = judge.differing_cases(run, entry)
+            report.append({"job": f"{run['model']}:{run['variant']}:{run['config']}",
+                           "cases": compared, "differ": differ,
+                           "same": compared > 0 and not differ})
     return report

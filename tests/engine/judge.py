@@ -85,6 +85,23 @@ def compare_run(model: str, label: str, run: dict, base: dict,
     return cases, skipped
 
 
+RAW_FIELDS = (("results", "outputs"), ("feature_results", "outputs"), ("scores", "scores"))
+
+
+def differing_cases(run: dict, other: dict) -> tuple[int, list[str]]:
+    """How many cases two raw entries both ran, and those whose prompts or outputs (token
+    ids, logprobs, prompt logprobs) or teacher-forced scores differ at all."""
+    compared, differ = 0, []
+    for key, field in RAW_FIELDS:
+        mine = {r["case"]: r for r in other.get(key) or []}
+        for res in (r for r in run.get(key) or [] if r["case"] in mine):
+            compared += 1
+            if (res["prompt_lens"], res[field]) != (mine[res["case"]]["prompt_lens"],
+                                                    mine[res["case"]][field]):
+                differ.append(f"{key}:{res['case']}")
+    return compared, differ
+
+
 def summarize(cases: list[dict]) -> dict:
     margins = [c["max_baseline_margin"] for c in cases if "max_baseline_margin" in c]
     return {"cases": len(cases), "passed": sum(c["passed"] for c in cases),

@@ -12,7 +12,7 @@ import judge
 import results
 
 FILES = ("exactness-pcp.json", "exactness-dcp.json", "exactness-features.json",
-         "exactness-teacher.json", "memory.json")
+         "exactness-teacher.json", "memory.json", "repeatability.json")
 SHARED_NOTE = ("every rank of these engines ran on the same GPU(s) and talked over "
                "NCCL's network transport on the loopback interface: outputs, not speed")
 
@@ -102,6 +102,14 @@ def memory(rows: list[dict]) -> dict:
             "runs": runs}
 
 
+def repeatability(rows: list[dict]) -> dict:
+    """Each engine run twice: the cases both ran, those that differ."""
+    runs = [{"model": m, "variant": v, "config": c, "cases": r["compared"], "differ": r["differ"]}
+            for r in rows for m, v, c in [r["key"]]]
+    return {"summary": {"engines": len(runs), "repeatable": judge.verdict(
+        bool(r["cases"]) and not r["differ"] for r in runs)}, "runs": runs}
+
+
 def assemble(rows: list[dict]) -> dict[str, tuple[list[dict], dict]]:
     """``{file name: (the rows it holds, its payload without meta)}`` of the files fed."""
     def kind(*kinds):
@@ -115,7 +123,8 @@ def assemble(rows: list[dict]) -> dict[str, tuple[list[dict], dict]]:
         "exactness-dcp.json": ([r for r in greedy if r["dcp"] > 1], floors, exactness),
         "exactness-features.json": (kind("features", "refusal"), [], features),
         "exactness-teacher.json": (kind("teacher"), floors, lambda r: teacher(r, floors)),
-        "memory.json": (kind("memory"), [], memory)}
+        "memory.json": (kind("memory"), [], memory),
+        "repeatability.json": (kind("repeat"), [], repeatability)}
     return {name: (chosen + extra, build(chosen))
             for name, (chosen, extra, build) in files.items() if chosen}
 
@@ -162,9 +171,13 @@ def _cut_teacher(doc: dict, add) -> None:
 
 def _cut(name: str, doc: dict, add) -> None:
     """``add(kind, key, base, **fields)`` for each engine's part of the file ``name``."""
-    if name == "memory.json":
+    if name in ("memory.json", "repeatability.json"):
         for r in doc["runs"]:
-            add("memory", (r["model"], r["variant"], r["config"]), ranks=r["ranks"])
+            key = (r["model"], r["variant"], r["config"])
+            if name == "memory.json":
+                add("memory", key, ranks=r["ranks"])
+            else:
+                add("repeat", key, compared=r["cases"], differ=r["differ"])
     elif name == "exactness-teacher.json":
         _cut_teacher(doc, add)
     elif name == "exactness-features.json":

@@ -5,6 +5,8 @@ plugin subclasses), each test recording a row for the result files (conftest.py)
     pytest tests/engine -k "pcp4 and teacher"                    # one slice
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -55,6 +57,7 @@ REFUSALS = {(SWA, "unchunked", "pcp2"): judge.SLIDING_WINDOW_PATTERN,
 FLOORS = {"pcp1": "pcp1-v1", **judge.TEACHER_FLOORS}  # one GPU against itself
 STANDARD = [k for k, groups in JOBS.items() if "standard" in groups.split(",")]
 EXACT_SAMPLING = {"pcp2", "pcp2-fp8"}  # seeded sampling: exact only where the logits are
+REPEATED = [(R, "chunked", "pcp1-v1"), (R, "chunked", "pcp2")]  # run twice: bit for bit
 
 
 def _params(keys, moe_xfail: str | None = None) -> list:
@@ -82,7 +85,8 @@ def _teacher(engine, key, base=None) -> tuple[list, dict]:
 
 @pytest.fixture
 def engine(pytestconfig):
-    """``engine(key)``: the raw entry of a job of :data:`JOBS` (or :data:`REFUSALS`)."""
+    """``engine(key)``: the raw entry of a job of :data:`JOBS` (or :data:`REFUSALS`);
+    ``engine(key, repeat=1)``: of the same job run once more."""
     max_tokens = pytestconfig.getoption("--engine-max-tokens")
 
     def job(key) -> Job:
@@ -92,7 +96,8 @@ def engine(pytestconfig):
         if key[1] == "chunked" and key in STANDARD:
             teacher = "self" if key[2] == "pcp1-v1" else job((key[0], "chunked", "pcp1-v1"))
         return Job(*key, groups=JOBS[key], max_tokens=max_tokens, teacher=teacher)
-    return lambda key: run_engine(job(key), pytestconfig.getoption("--engine-work-dir"))
+    return lambda key, repeat=0: run_engine(replace(job(key), repeat=repeat),
+                                            pytestconfig.getoption("--engine-work-dir"))
 
 
 @pytest.mark.parametrize("key", _params(k for k in STANDARD if layouts.baseline(k[2])))
@@ -144,6 +149,16 @@ def test_features(key, engine, record):
     record("features", key, runs, cases=cases, not_compared=skipped)
     tolerated = set() if key[2] in EXACT_SAMPLING else {"sampled_n4"}
     assert not set(_failures(cases)) - tolerated, _failures(cases)
+
+
+@pytest.mark.parametrize("key", _params(REPEATED))
+def test_repeatable(key, engine, record):
+    """The same engine twice: every case bit for bit (token ids, logprobs, scores), so a
+    later run is held to what an earlier one gave and a divergence is never timing's."""
+    runs = [engine(key), engine(key, repeat=1)]
+    compared, differ = judge.differing_cases(*runs)
+    record("repeat", key, runs, compared=compared, differ=differ)
+    assert compared and not differ, differ
 
 
 @pytest.mark.parametrize("key", _params(REFUSALS))

@@ -198,6 +198,10 @@ def main() -> None:
     ap.add_argument("--teacher", default="")
     args = ap.parse_args()
     os.environ.update(layouts.LAYOUTS[args.layout].env)  # read by vLLM when it picks a runner
+    # vLLM's engine core in this process: a generate call's requests all reach the scheduler
+    # before its first step, an arrival case's after exactly 4 steps, so every case's steps
+    # are the same from run to run (a core process of its own takes them as they come)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     groups = [g for g in args.groups.split(",") if g and g != "none"]
     hf = json.loads(Path(args.model, "config.json").read_text())
     tokenizer = os.path.exists(os.path.join(args.model, "tokenizer.json"))
