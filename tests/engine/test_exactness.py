@@ -1,7 +1,7 @@
 """Engines of several ranks against one GPU on vLLM's V1 runner (``pcp1-v1``, which the
 plugin subclasses), each test recording a row for the result files (conftest.py):
 
-    pytest tests/engine -n 4 --results-dir tests/gpu/results     # everything, 4 at once
+    pytest tests/engine -n 4 --dist loadgroup --results-dir tests/gpu/results  # 4 at once
     pytest tests/engine -k "pcp4 and teacher"                    # one slice
 """
 
@@ -61,8 +61,11 @@ REPEATED = [(R, "chunked", "pcp1-v1"), (R, "chunked", "pcp2")]  # run twice: bit
 
 
 def _params(keys, moe_xfail: str | None = None) -> list:
-    """One param per job key, its id ``MODEL-VARIANT-LAYOUT``, marked with its GPUs."""
-    return [pytest.param(k, id="-".join(k), marks=[pytest.mark.gpus(layouts.gpus(k[2]))] + (
+    """One param per job key, its id ``MODEL-VARIANT-LAYOUT``, marked with its GPUs and an
+    xdist group of its engine (``--dist loadgroup``: a job's tests on one worker, which runs
+    its engine once while the others run other engines)."""
+    return [pytest.param(k, id="-".join(k), marks=[
+        pytest.mark.gpus(layouts.gpus(k[2])), pytest.mark.xdist_group("-".join(k))] + (
         [pytest.mark.xfail(reason=moe_xfail)] if moe_xfail and k[0] in MOE else []))
         for k in keys]
 
