@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
 import results  # noqa: E402
 
 with open(os.path.join(ROOT, "configs", "models", "qwen2.5-3b-shape.json")) as _f:
-    _HF = json.load(_f)
-HEADS = (_HF["num_attention_heads"], _HF["num_key_value_heads"])  # (query heads, kv heads)
-HEAD_DIM, PAGE = _HF["head_dim"], 16  # PAGE: vLLM's default block size
+    HF = json.load(_f)
+HEADS = (HF["num_attention_heads"], HF["num_key_value_heads"])  # (query heads, kv heads)
+HEAD_DIM, PAGE = HF["head_dim"], 16  # PAGE: vLLM's default block size
 CHOICES = [("paged", "auto"), ("paged", "fa2"), ("paged", "fa3"), ("ragged", "fa2"),
            ("ragged", "fa3"), ("ragged", "auto")]  # paged auto first: the others' reference
 TOL, QUERY_SCALE = dict(atol=3e-2, rtol=3e-2), 4.0
@@ -141,20 +141,26 @@ def attention(kernel: str, rows: SimpleNamespace, prompt, backend: str, workspac
     return (lambda: w.run(q, k, v, out=out)), gather
 
 
+def make_prompt(prompt_len: int) -> SimpleNamespace:
+    """A prompt's random ``q`` (scaled), ``k``, ``v`` [T, H, D] and its paged ``cache``
+    [pages, 2, PAGE, Hkv, D] (NHD pages) holding k and v (bf16, seed 0)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(prompt_len, h, HEAD_DIM, generator=gen, device="cuda",
+                           dtype=torch.bfloat16) for h in (HEADS[0], HEADS[1], HEADS[1]))
+    pages = -(-prompt_len // PAGE)
+    cache = k.new_zeros(pages * PAGE, 2, HEADS[1], HEAD_DIM)
+    cache[:prompt_len, 0], cache[:prompt_len, 1] = k, v
+    cache = cache.view(pages, PAGE, 2, HEADS[1], HEAD_DIM).transpose(1, 2).contiguous()
+    return SimpleNamespace(q=q * QUERY_SCALE, k=k, v=v, cache=cache)
+
+
 def measure(cases: list[tuple[int, int]]) -> list[dict]:
     """Per prompt length its one-GPU row, then per case and rank: each choice (paged auto
     first, the others' reference), the gather, the copy of the largest rank's K/V."""
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     out = []
     for prompt_len in sorted({p for _, p in cases}):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(prompt_len, h, HEAD_DIM, generator=gen, device="cuda",
-                               dtype=torch.bfloat16) for h in (HEADS[0], HEADS[1], HEADS[1]))
-        pages = -(-prompt_len // PAGE)
-        cache = k.new_zeros(pages * PAGE, 2, HEADS[1], HEAD_DIM)
-        cache[:prompt_len, 0], cache[:prompt_len, 1] = k, v
-        cache = cache.view(pages, PAGE, 2, HEADS[1], HEAD_DIM).transpose(1, 2).contiguous()
-        prompt = SimpleNamespace(q=q * QUERY_SCALE, k=k, v=v, cache=cache)
+        prompt = make_prompt(prompt_len)
         run, _ = attention("paged", rank_rows(prompt_len, 1, 0), prompt, "auto", workspace)
         one_gpu_out = run().clone()
         out.append(row(1, prompt_len, 0, "paged", "auto", time_ms(run), None))
@@ -173,7 +179,7 @@ def measure(cases: list[tuple[int, int]]) -> list[dict]:
             out += [row(*case, "kv_gather", "torch", time_ms(gather), None),
                     row(*case, "kv_copy", "torch", time_ms(lambda: dst.copy_(src)), None,
                         bytes=size)]
-        del prompt, q, k, v, cache, one_gpu_out
+        del prompt, one_gpu_out
         torch.cuda.empty_cache()
     return out
 
