@@ -78,13 +78,14 @@ def test_gsm8k_rows_and_result_files_from_parts(tmp_path, monkeypatch):
     options = {"--engine-work-dir": str(tmp_path / "work"), "--results-dir": str(tmp_path / "out")}
     request = SimpleNamespace(config=SimpleNamespace(getoption=options.get))
     monkeypatch.setattr(serve.results, "meta", lambda command=None, **kw: {"git_rev": "abc", **kw})
-    for name, goals, shared in (("pcp1", {"g": True}, False), ("pcp2", {"g": False}, True)):
+    for name, goals, shared in (("pcp1", {"g": True}, None), ("pcp2", {"g": False}, 1)):
         serve.cached(request, f"serve-soak/{name}", lambda: {
             "layout": name, "goals": goals, "ranks_shared_gpus": shared})
     assert serve.cached(request, "serve-soak/pcp1", dict)["goals"] == {"g": True}  # computed once
     serve.write_result(request, "serve-soak.json", serve.goals_file)
     out = json.loads((tmp_path / "out" / "serve-soak.json").read_text())
-    assert out["meta"] == {"git_rev": "abc", "ranks_shared_gpus": True}
+    assert out["meta"] == {"git_rev": "abc", "ranks_shared_gpus": {
+        "gpus": 1, "configs": ["pcp2"], "note": serve.results.SHARED_NOTE}}
     assert out["goals"] == {"pcp1": {"g": True}, "pcp2": {"g": False}}
     assert out["all_goals_met"] is False and len(out["runs"]) == 2
     assert not serve.goals_file([{"layout": "x", "goals": {}}])["all_goals_met"]  # an error

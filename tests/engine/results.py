@@ -46,6 +46,19 @@ def pytest_command(config=None) -> str:
     return "python -m pytest " + shlex.join(argv[1:])
 
 
+SHARED_NOTE = ("every rank of these engines ran on the same GPU(s) and talked over "
+               "NCCL's network transport on the loopback interface: outputs, not speed")
+
+
+def shared_gpus(by_config: dict) -> dict | None:
+    """``meta.ranks_shared_gpus`` from ``{config: GPUs its ranks shared}`` (those that did):
+    the most GPUs, the configurations, what it means; None if no ranks shared."""
+    shared = {c: int(n) for c, n in by_config.items() if n}
+    if not shared:
+        return None
+    return {"gpus": max(shared.values()), "configs": sorted(shared), "note": SHARED_NOTE}
+
+
 def meta(command: str | None = None, host: dict | None = None, **extra) -> dict:
     """A result file's ``meta``: ``extra`` (e.g. ``ranks_shared_gpus``, ``note``) after
     revision, command, GPU, versions and date."""

@@ -13,8 +13,6 @@ import results
 
 FILES = ("exactness-pcp.json", "exactness-dcp.json", "exactness-features.json",
          "exactness-teacher.json", "memory.json", "repeatability.json")
-SHARED_NOTE = ("every rank of these engines ran on the same GPU(s) and talked over "
-               "NCCL's network transport on the loopback interface: outputs, not speed")
 
 
 def meta_extra(rows: list[dict]) -> dict:
@@ -33,8 +31,7 @@ def meta_extra(rows: list[dict]) -> dict:
     if len(commands) > 1:
         extra["commands"] = commands
     if shared:
-        extra["ranks_shared_gpus"] = {"gpus": max(map(int, shared.values())),
-                                      "configs": sorted(shared), "note": SHARED_NOTE}
+        extra["ranks_shared_gpus"] = results.shared_gpus(shared)
     if len(by_rev) > 1:
         extra["runs_by_git_rev"] = by_rev
     return extra

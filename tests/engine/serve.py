@@ -251,6 +251,6 @@ def write_result(request, name: str, assemble, **meta) -> None:
     stem = Path(run_dir(request), name.removesuffix(".json"))
     with filelock.FileLock(f"{stem}.lock"):
         parts = [json.loads(path.read_text()) for path in sorted(stem.glob("*.json"))]
-        shared = any(p.get("ranks_shared_gpus") for p in parts) or None
+        shared = results.shared_gpus({p["layout"]: p.get("ranks_shared_gpus") for p in parts})
         results.write(out, name, {"meta": results.meta(command, ranks_shared_gpus=shared, **meta),
                                   **assemble(parts)})

@@ -49,7 +49,9 @@ def on_server(request, layout, model, what, flags, ask, env=None) -> dict:
     """``ask(server)`` of a server of ``layout``, with what ran; an error is the result."""
     if not os.path.exists(model):
         pytest.skip(f"{model} missing (VLLM_PCP_MODELS_DIR)")
-    head = {"layout": layout, "ranks_shared_gpus": gpus(layout) > torch.cuda.device_count()}
+    count = torch.cuda.device_count()  # the GPUs its ranks shared, where they did
+    head = {"layout": layout, "ranks_shared_gpus": min(gpus(layout), count) if gpus(layout) > count
+            else None}
     log = os.path.join(serve.run_dir(request), f"{what}-{layout}.log")
     try:
         with serve.serve(layout, model, log, *flags, env=env) as server:
