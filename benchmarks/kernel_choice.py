@@ -184,14 +184,21 @@ def measure(cases: list[tuple[int, int]]) -> list[dict]:
     return out
 
 
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """``"2x32768,4x131072"`` as ``[(N, prompt_len), ...]``; exits on N < 2 or a prompt
+    shorter than 4N tokens."""
+    cases = [tuple(int(x) for x in c.lower().split("x")) for c in text.split(",")]
+    if bad := [c for c in cases if c[0] < 2 or c[1] < 4 * c[0]]:
+        raise SystemExit(f"cases {bad}: need N >= 2 and a prompt of >= 4N tokens")
+    return cases
+
+
 if __name__ == "__main__":
     ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="2x32768,4x32768,2x131072", help="NxPROMPT_LEN,...")
     args = ap.parse_args()
-    cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases.split(",")]
-    if bad := [c for c in cases if c[0] < 2 or c[1] < 4 * c[0]]:
-        raise SystemExit(f"cases {bad}: need N >= 2 and a prompt of >= 4N tokens")
+    cases = parse_cases(args.cases)
     start = time.perf_counter()
     rows = measure(cases)
     meta = results.meta(

@@ -128,9 +128,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="2x32768,2x131072,4x32768,4x131072", help="NxT,...")
     args = ap.parse_args()
-    cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases.split(",")]
-    if bad := [c for c in cases if c[0] < 2 or c[1] < 4 * c[0]]:
-        raise SystemExit(f"cases {bad}: need N >= 2 and a prompt of >= 4N tokens")
+    cases = kc.parse_cases(args.cases)
     start = time.perf_counter()
     rows = measure(cases)
     meta = results.meta(shlex.join(["python", "benchmarks/projection.py", *sys.argv[1:]]),

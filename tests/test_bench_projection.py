@@ -34,3 +34,10 @@ def test_all_gather_bytes_are_the_padded_rows_every_rank_sends(world, length):
     assert case["kv_gather_bytes_per_layer"] == world * per_rank * 2 * kv_heads * head_dim * 2
     assert case["restore_bytes"] == world * per_rank * pj.HIDDEN * 2
     assert case["layers"] == pj.LAYERS == 36
+
+
+def test_cases_parse_and_a_split_too_short_for_its_ranks_is_refused():
+    assert pj.kc.parse_cases("2x32768,4X131072") == [(2, 32768), (4, 131072)]
+    for bad in ("1x4096", "4x15"):
+        with pytest.raises(SystemExit, match="need N >= 2"):
+            pj.kc.parse_cases(bad)
