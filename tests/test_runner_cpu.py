@@ -28,6 +28,9 @@ BLOCKS = torch.arange(4 * 6, dtype=torch.int32).reshape(4, 6) + 100
 
 
 class _RecordingBuilder(PCPFlashInferMetadataBuilder):
+    def can_attend_ragged(self):  # the ragged kernel's choice: tests/test_ragged_split.py
+        return False
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         return SimpleNamespace(cm=common_attn_metadata)
 
@@ -49,6 +52,7 @@ def _make_runner(group, rank):
     r.pcp_world_size, r.pcp_rank = group.world_size, rank
     r.pcp_min_split_tokens = 2 * group.world_size
     r.pcp_dcp_context_exchange = "auto"
+    r.pcp_split_attention = "auto"
     r.num_query_heads, r.parallel_config = 16, None
     r.model_config = SimpleNamespace(get_num_kv_heads=lambda parallel_config: 2)
     r.reorder_batch_threshold = 1

@@ -9,6 +9,7 @@ nothing else; a collective counts its output, as NCCL's would.
 import os
 import threading
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -171,6 +172,34 @@ def test_a_dcp_layer_holds_at_most_the_bound(float32_flashinfer, monkeypatch, wo
         context_rows = plan.ctx_gather.num_padded if plan.ctx_gather is not None else 0
         bound = dcp_layer_bytes(_shape(plan.pcp.num_padded_tokens_per_rank, world, world,
                                        context_rows), exchange)
+        assert 0.4 * bound <= mode.peak <= bound, (rank, mode.peak, bound)
+
+
+@pytest.mark.parametrize("world,scheduled", [(2, [37, 2, 100, 16, 5]), (4, [64, 9]),
+                                             (8, [200, 1, 33])])
+def test_a_fresh_split_layer_holds_at_most_the_bound(float32_flashinfer, monkeypatch, world,
+                                                     scheduled):
+    """The plugin's layer on a fresh split step, the ragged kernel (``tests/split_harness.py``):
+    each rank's forward holds no more than :func:`ragged_layer_bytes` of the step's P and T,
+    and no less than 0.4 of it."""
+    import vllm.v1.attention.backends.flashinfer as vllm_flashinfer
+
+    from split_harness import run_ragged_split_step
+    from test_dcp_attention_cpu import _torch_cache_write
+    from vllm_pcp.pcp.memory import ragged_layer_bytes
+
+    _count_fake_kernels_by_results(monkeypatch)
+    monkeypatch.setattr(vllm_flashinfer.FlashInferImpl, "do_kv_cache_update",
+                        kernel(_torch_cache_write))
+    modes = {}
+    results, _ = run_ragged_split_step(
+        monkeypatch, world, scheduled, "cpu", torch.float32, hq=8, hkv=2, dim=16,
+        around_forward=lambda rank: modes.setdefault(rank, LiveBytes()))
+    for rank, mode in modes.items():
+        shape = _shape(results[rank].plan.num_padded_tokens_per_rank, world,
+                       tokens=sum(scheduled))
+        bound = ragged_layer_bytes(replace(shape, ragged=True))
+        assert step_bytes(replace(shape, ragged=True, hidden_size=1)) == bound
         assert 0.4 * bound <= mode.peak <= bound, (rank, mode.peak, bound)
 
 

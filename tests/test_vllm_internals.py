@@ -577,6 +577,10 @@ def test_real_builder_has_what_the_plugins_builder_reads(make_builder):
     assert builder.global_hyperparameters.has_same_all_params is True  # one layer
     assert builder.dcp_world_size == 1 and builder.reorder_batch_threshold == 1
     assert builder.vllm_config.parallel_config.prefill_context_parallel_size == 2
+    # what decides the ragged kernel of fresh split steps (vllm_pcp.pcp.ragged)
+    assert (builder.cache_dtype, builder.window_left, builder.logits_soft_cap,
+            builder.has_sinks) == ("auto", -1, None, False)
+    assert builder.can_attend_ragged() and builder.device.type in ("cpu", "cuda")
     assert list(inspect.signature(builder._get_workspace_buffer).parameters) == []
     from vllm.v1.attention.backends.utils import get_per_layer_parameters
 

@@ -10,6 +10,10 @@ shared by the layers of a KV cache group, that carries the whole step:
                        DualChunkSwap chunks): each attends causally over the
                        paged cache, the bottom-right causal mask placing the
                        chunk at its absolute offset
+      fresh steps      (no request with cached context, ``ragged``) the layer's
+                       forward gathers and writes, and the local rows attend the
+                       gathered K/V with FlashInfer's ragged kernel
+                       (:mod:`vllm_pcp.pcp.ragged`)
     PCPDCPMetadata     KV cache sharded (DCP == PCP, or DCP inside TP at PCP = 1)
       forward          read the context rows split chunks fetch, all-gather new
                        K/V and context (``N * (P + Pc)`` rows), write this rank's
@@ -31,6 +35,7 @@ from vllm.v1.attention.backends.flashinfer import (FlashInferBackend, FlashInfer
 
 from vllm_pcp import config as pcp_config
 from vllm_pcp.pcp.exchange import gather_kv
+from vllm_pcp.pcp.ragged import PlannedRaggedStep, RaggedSplitAttention
 
 
 @dataclass(frozen=True)
@@ -60,14 +65,20 @@ class PCPSplitMetadata:
     local rows (``local``). ``local`` is None on a rank with no local rows, a step
     that :func:`vllm_pcp.pcp.partition.min_chunk_tokens` keeps from happening (every
     split row has 2 tokens or more): its model input would be pad rows only, attention
-    writes zeros, and the layer still joins the exchange."""
+    writes zeros, and the layer still joins the exchange.
+
+    ``ragged`` (a fresh step, :mod:`vllm_pcp.pcp.ragged`): ``local`` is None and the
+    layer's forward gathers, writes and attends the gathered K/V."""
 
     exchange: KVExchange
     slot_mapping: torch.Tensor  # [N * P] gathered layout, -1 where nothing is written
     local: FlashInferMetadata | None
+    ragged: PlannedRaggedStep | None = None
 
     @property
     def num_actual_tokens(self) -> int:
+        if self.ragged is not None:
+            return self.ragged.num_local_tokens
         return 0 if self.local is None else self.local.num_actual_tokens
 
 
@@ -111,6 +122,8 @@ class PCPFlashInferImpl(FlashInferImpl):
                            slot_mapping: torch.Tensor) -> None:
         metadata = _layer_metadata(layer) if self.pcp_world_size > 1 else None
         if isinstance(metadata, PCPSplitMetadata):
+            if metadata.ragged is not None:
+                return  # the layer's forward gathers, writes and attends
             key, value = metadata.exchange.gather(key, value)
             slot_mapping = metadata.slot_mapping
         elif isinstance(metadata, PCPDCPMetadata) and metadata.exchange is not None:
@@ -130,6 +143,9 @@ class PCPFlashInferImpl(FlashInferImpl):
             return self._forward_dcp(layer, query, key, value, kv_cache, attn_metadata,
                                      output, output_scale)
         if isinstance(attn_metadata, PCPSplitMetadata):
+            if attn_metadata.ragged is not None:
+                return self._forward_ragged(layer, query, key, value, kv_cache,
+                                            attn_metadata, output, output_scale)
             if attn_metadata.local is None:
                 return output.fill_(0)
             super().forward(layer, query, key, value, kv_cache, attn_metadata.local,
@@ -143,6 +159,21 @@ class PCPFlashInferImpl(FlashInferImpl):
             return output.fill_(0)
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
+
+    def _forward_ragged(self, layer, query, key, value, kv_cache,
+                        metadata: PCPSplitMetadata, output, output_scale):
+        """A fresh split step: all-gather the step's K/V, write it to the cache, attend
+        the local rows over the gathered K/V (:mod:`vllm_pcp.pcp.ragged`)."""
+        if output_scale is not None:
+            raise NotImplementedError("the ragged split attention does not fuse output "
+                                      "quantization; run with --additional-config "
+                                      "'{\"pcp_split_attention\": \"paged\"}'")
+        k_step, v_step = metadata.exchange.gather(key, value)
+        super().do_kv_cache_update(layer, k_step, v_step, kv_cache, metadata.slot_mapping)
+        n = metadata.num_actual_tokens
+        metadata.ragged.run(query[:n], k_step, v_step, output[:n])
+        _zero_pad_rows(output, n)
+        return output
 
     def _forward_dcp(self, layer, query, key, value, kv_cache, metadata: PCPDCPMetadata,
                      output, output_scale):
@@ -175,6 +206,7 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
     """
 
     _dcp_attention = None
+    _ragged_attention = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         parallel = vllm_config.parallel_config
@@ -188,6 +220,23 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             _refuse_mixed_scales(vllm_config, layer_names)
         if parallel.prefill_context_parallel_size > 1:
             grow_row_buffers(self, 2 * vllm_config.scheduler_config.max_num_seqs)
+
+    def can_attend_ragged(self) -> bool:
+        """Whether this group's layers may take the ragged kernel on fresh steps: an
+        unquantized cache and no setting the plan would have to carry (one softmax
+        scale, no window, soft cap or sinks)."""
+        return (self.cache_dtype in pcp_config.DCP_CACHE_DTYPES and self.window_left == -1
+                and not self.logits_soft_cap and not self.has_sinks
+                and bool(self.global_hyperparameters.has_same_all_params))
+
+    def build_ragged(self, plan, num_scheduled_tokens) -> PlannedRaggedStep:
+        """Plan a fresh split step's ragged kernel (:mod:`vllm_pcp.pcp.ragged`) once for
+        the group's layers."""
+        if self._ragged_attention is None:
+            self._ragged_attention = RaggedSplitAttention(
+                self._get_workspace_buffer(), self.num_qo_heads, self.num_kv_heads,
+                self.head_dim, self.q_data_type_prefill, self.sm_scale)
+        return self._ragged_attention.plan(plan, num_scheduled_tokens, self.device)
 
     def build_dcp(self, plan, block_table: torch.Tensor, group, heads_gathered: bool,
                   exchange: KVExchange | None = None, slot_mapping: torch.Tensor | None = None,

@@ -32,10 +32,17 @@ class PCPKnobs:
         fewer bytes in that step (:mod:`vllm_pcp.dcp.plan`). A chunk whose context
         another request writes in the same step (a prefix hit on its blocks) sends
         its queries under every value (:mod:`vllm_pcp.dcp.prefix`).
+    split_attention : at DCP = 1, the kernel a split step's rows attend with
+        (``pcp_split_attention``): ``"auto"`` (default) takes FlashInfer's ragged
+        kernel over the gathered K/V on steps without cached context (fresh prompts,
+        :mod:`vllm_pcp.pcp.ragged`) and the paged kernel on the others; ``"paged"``
+        the paged kernel on every step, which one GPU's FlashInfer prefill matches
+        bit for bit.
     """
 
     min_split_tokens: int | None = None
     dcp_context_exchange: str = "auto"
+    split_attention: str = "auto"
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> PCPKnobs:
@@ -55,10 +62,18 @@ class PCPKnobs:
             raise PCPConfigError(
                 f"--additional-config pcp_dcp_context_exchange must be one of "
                 f"{', '.join(CONTEXT_EXCHANGES)}, got {exchange!r}")
-        return cls(min_split_tokens=value, dcp_context_exchange=exchange)
+        split_attention = raw.get("pcp_split_attention", "auto")
+        if split_attention not in SPLIT_ATTENTIONS:
+            raise PCPConfigError(
+                f"--additional-config pcp_split_attention must be one of "
+                f"{', '.join(SPLIT_ATTENTIONS)}, got {split_attention!r}")
+        return cls(min_split_tokens=value, dcp_context_exchange=exchange,
+                   split_attention=split_attention)
 
 
-_KNOBS = ("pcp_min_split_tokens", "pcp_dcp_context_exchange")
+_KNOBS = ("pcp_min_split_tokens", "pcp_dcp_context_exchange", "pcp_split_attention")
+# the kernel of a split step's rows at DCP = 1 (vllm_pcp.pcp.ragged)
+SPLIT_ATTENTIONS = ("auto", "paged")
 # how split chunks reach the context stored on other DCP ranks (vllm_pcp.dcp.plan)
 CONTEXT_EXCHANGES = ("auto", "queries", "keys")
 

@@ -27,21 +27,11 @@ Steps without a split request (decodes, short prefills) run stock on every
 rank. Split steps run without CUDA graphs: the local token count is not a
 captured size.
 
-With ``-dcp N`` equal to ``-pcp N`` the KV cache is sharded over the same
-ranks: every step, decodes included, is planned with
-:func:`vllm_pcp.dcp.plan.build_dcp_plan` and attended by
-:class:`vllm_pcp.dcp.attention.DCPAttention`. A pure decode step runs the stock
-forward on every rank (vLLM's DCP slot mapping writes each token once); only
-its attention is the plugin's, and it replays a full CUDA graph
-(``cudagraph_mode`` FULL_DECODE_ONLY): the graph is captured from vLLM's dummy
-decode batch planned the same way, and each step plans its real batch into the
-graph's fixed buffers (vLLM pads it to the captured size). Every other DCP
-step runs eagerly.
-
-At PCP = 1 with ``-tp N -dcp N`` on FLASHINFER (vLLM 0.26.0's own FlashInfer DCP
-is wrong) the runner plans over vLLM's DCP group inside TP and splits nothing:
-every rank runs every token with its own query heads, the stock forward writes
-the tokens each rank owns, and the attention all-gathers the query heads.
+With ``-dcp N`` (equal to ``-pcp N``, or inside TP at PCP = 1) every step is
+planned with :func:`vllm_pcp.dcp.plan.build_dcp_plan` and attended by
+:class:`vllm_pcp.dcp.attention.DCPAttention`; a pure decode step runs the stock
+forward and replays a full CUDA graph (FULL_DECODE_ONLY) planned into fixed
+buffers, every other DCP step runs eagerly (docs/design.md).
 """
 from __future__ import annotations
 
@@ -68,6 +58,7 @@ from vllm_pcp.pcp.exchange import (gathered_slot_mapping, restore_hidden_states,
 from vllm_pcp.pcp.memory import split_step_reserve_bytes
 from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, build_pcp_metadata,
                                     min_chunk_tokens, split_requests)
+from vllm_pcp.pcp.ragged import is_fresh_step
 
 logger = init_logger("vllm.vllm_pcp.runner")
 
@@ -93,6 +84,9 @@ class PCPStep:
     plan: PrefillContextParallelMetadata | DCPAttentionPlan
     inputs: SplitInputs | None = None  # set for steps whose tokens are split
     eager: bool = False  # a batch vLLM padded for a CUDA graph that must run eagerly
+    # a fresh split step at DCP = 1 that may attend with the ragged kernel: its
+    # scheduled tokens per request (vllm_pcp.pcp.ragged)
+    ragged_scheduled: np.ndarray | None = None
 
 
 class PCPModelRunner(GPUModelRunner):
@@ -104,6 +98,7 @@ class PCPModelRunner(GPUModelRunner):
         knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
         self.pcp_min_split_tokens = min_split_tokens(knobs, self.pcp_world_size)
         self.pcp_dcp_context_exchange = knobs.dcp_context_exchange
+        self.pcp_split_attention = knobs.split_attention
         self.pcp_dcp = self._check_dcp(vllm_config)
         self._step: PCPStep | None = None  # from _prepare_inputs to _model_forward
         self.pcp_step_counts = PCPStepCounts()
@@ -155,6 +150,8 @@ class PCPModelRunner(GPUModelRunner):
                     computed, scheduled, self.pcp_world_size, self.pcp_rank,
                     min_split_tokens=self.pcp_min_split_tokens, decode_threshold=threshold,
                     prefill_lens=prefill_lens, min_chunk_tokens=chunk))
+                if self.pcp_split_attention == "auto" and is_fresh_step(computed):
+                    self._step.ragged_scheduled = np.array(scheduled, dtype=np.int64)
         if self._step is not None:
             plan = self._step.plan
             self.pcp_step_counts.count(plan.pcp if isinstance(plan, DCPAttentionPlan) else plan)
@@ -215,7 +212,8 @@ class PCPModelRunner(GPUModelRunner):
                 metadata, step.inputs = self._build_dcp_split_metadata(plan,
                                                                        kwargs["slot_mappings"])
         else:
-            metadata, step.inputs = self._build_split_metadata(plan, kwargs["slot_mappings"])
+            metadata, step.inputs = self._build_split_metadata(plan, kwargs["slot_mappings"],
+                                                               step.ragged_scheduled)
         self._step = step  # for _model_forward
         return metadata, None
 
@@ -293,24 +291,37 @@ class PCPModelRunner(GPUModelRunner):
         return builder
 
     def _build_split_metadata(self, plan: PrefillContextParallelMetadata,
-                              slot_mappings: dict[int, torch.Tensor]):
+                              slot_mappings: dict[int, torch.Tensor],
+                              ragged_scheduled: np.ndarray | None = None):
         """Per-layer metadata of a split step at DCP = 1 and the step's inputs: vLLM's
         FlashInfer plan of the local rows (None on a rank without rows, which plans
-        no kernel but takes part in the K/V exchange of every layer)."""
+        no kernel but takes part in the K/V exchange of every layer), or, on a fresh
+        step (``ragged_scheduled``, its tokens per request), the ragged kernel's plan
+        for the groups whose layers may take it (:mod:`vllm_pcp.pcp.ragged`)."""
         dev = self.device
         gathered = plan.gathered_token_indices.to(dev, non_blocking=True)
         exchange = KVExchange(self.pcp_group, plan.num_padded_tokens_per_rank)
-        local_rows = self._local_rows(plan, slot_mappings) if plan.num_rows else {}
-        attn_metadata = {}
+        local_rows, attn_metadata = None, {}
         for gid, _ in enumerate(self.kv_cache_config.kv_cache_groups):
             slots = gathered_slot_mapping(slot_mappings[gid], gathered)
-            cm = local_rows.get(gid)
             for attn_group in self.attn_groups[gid]:
-                local = None if cm is None else self._pcp_builder(attn_group).build(
-                    common_prefix_len=0, common_attn_metadata=cm)
-                metadata = PCPSplitMetadata(exchange, slots, local)
+                builder = self._pcp_builder(attn_group)
+                if ragged_scheduled is not None and builder.can_attend_ragged():
+                    metadata = PCPSplitMetadata(exchange, slots, None,
+                                                builder.build_ragged(plan, ragged_scheduled))
+                else:
+                    if local_rows is None:
+                        local_rows = self._local_rows(plan, slot_mappings) if plan.num_rows \
+                            else {}
+                    cm = local_rows.get(gid)
+                    local = None if cm is None else builder.build(common_prefix_len=0,
+                                                                  common_attn_metadata=cm)
+                    metadata = PCPSplitMetadata(exchange, slots, local)
                 for name in attn_group.layer_names:
                     attn_metadata[name] = metadata
+        if ragged_scheduled is not None:
+            self.pcp_step_counts.ragged_steps += any(
+                m.ragged is not None for m in attn_metadata.values())
         return attn_metadata, self._split_inputs(plan, dev)
 
     def _local_rows(self, plan: PrefillContextParallelMetadata,

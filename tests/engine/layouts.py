@@ -78,6 +78,8 @@ LAYOUTS: dict[str, Layout] = {
     # the one-GPU noise floor: another attention kernel (FlashAttention) against FlashInfer
     "pcp1-flash-attn": Layout(attention_backend="FLASH_ATTN"),
     "pcp2": Layout(pcp=2),
+    # every split row on the paged kernel: one GPU's FlashInfer prefill, bit for bit
+    "pcp2-paged": Layout(pcp=2, knobs={"pcp_split_attention": "paged"}),
     "pcp2-graphs": Layout(pcp=2, cuda_graphs=True),
     "pcp2-ray": Layout(pcp=2, ray=True),
     "pcp2-min8k": Layout(pcp=2, knobs={"pcp_min_split_tokens": 8192}),

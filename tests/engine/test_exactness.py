@@ -35,7 +35,7 @@ JOBS = {  # (model, variant, layout) -> the case groups of its engine
     **{k: v for m in (R, S, M, E) for k, v in _each(m, "pcp1 pcp1-graphs pcp1-flash-attn").items()},
     **_each(E, "tp2"),
     # several ranks
-    **_each(R, "pcp2 pcp2-dcp2-i8 pcp4", F),
+    **_each(R, "pcp2 pcp2-paged pcp2-dcp2-i8 pcp4", F),
     **_each(R, "tp2-pcp2 tp2-pcp2-dcp2-i1 pcp4-dcp4-i8 pcp8 pcp2-graphs pcp2-dcp2-i8-graphs "
                "pcp2-ray pcp2-dcp2-i1 pcp2-dcp2-i16"),
     **_each(R, "pcp2 pcp2-dcp2-i8 pcp4", variant="unchunked"),
@@ -56,7 +56,8 @@ REFUSALS = {(SWA, "unchunked", "pcp2"): judge.SLIDING_WINDOW_PATTERN,
             (R, "chunked", "pcp2-dcp2-i1-fp8"): r"--kv-cache-dtype fp8"}
 FLOORS = {"pcp1": "pcp1-v1", **judge.TEACHER_FLOORS}  # one GPU against itself
 STANDARD = [k for k, groups in JOBS.items() if "standard" in groups.split(",")]
-EXACT_SAMPLING = {"pcp2", "pcp2-fp8"}  # seeded sampling: exact only where the logits are
+# seeded sampling: exact only where the logits are (the paged kernel on every split row)
+EXACT_SAMPLING = {"pcp2-paged", "pcp2-fp8"}
 REPEATED = [(R, "chunked", "pcp1-v1"), (R, "chunked", "pcp2")]  # run twice: bit for bit
 
 

@@ -22,11 +22,14 @@ class PCPStepCounts:
         whole-cache split computes such a chunk whole): that rank runs ``P`` pad rows
         and still takes part in every collective.
     steps_without_local_tokens : split steps in which this rank got none.
+    ragged_steps : split steps at DCP = 1 whose rows attended with FlashInfer's
+        ragged kernel (fresh steps, :mod:`vllm_pcp.pcp.ragged`).
     """
 
     split_steps: int = 0
     steps_with_rank_without_tokens: int = 0
     steps_without_local_tokens: int = 0
+    ragged_steps: int = 0
 
     def count(self, plan: PrefillContextParallelMetadata | None) -> None:
         if plan is None:

@@ -12,7 +12,10 @@ prefills (computed whole on every rank) beside one split chunk. Per layer, one
 at a time, and then once for the hidden states, every buffer counted as if all
 were live at once:
 
-    DCP = 1     the K/V gather: send [P, 2, Hkv, D], gathered [N * P, 2, Hkv, D]
+    DCP = 1     the K/V gather: send [P, 2, Hkv, D], gathered [N * P, 2, Hkv, D];
+                on fresh steps (the ragged kernel) each row's keys picked out of it,
+                at most [2 * T, 2, Hkv, D] (a request's keys, read by at most two
+                rows of a rank)
     DCP = N     the K/V gather (with Pc context rows under "keys": a chunk's whole
                 context over N ranks, max_model_len / N), the new rows picked out,
                 partial states and their merges; "queries" adds every rank's
@@ -44,6 +47,8 @@ class StepShape:
     num_q_heads, num_kv_heads : this rank's heads (after TP).
     head_dim, hidden_size, dtype_bytes : the model's.
     exchange : ``pcp_dcp_context_exchange`` (``auto``, ``queries``, ``keys``).
+    ragged : DCP = 1 fresh steps attend with the ragged kernel (``pcp_split_attention``
+        ``auto``).
     """
 
     tokens: int
@@ -57,6 +62,7 @@ class StepShape:
     hidden_size: int
     dtype_bytes: int
     exchange: str = "auto"
+    ragged: bool = False
 
 
 def kv_gather_bytes(s: StepShape, context_rows: int = 0) -> int:
@@ -65,6 +71,12 @@ def kv_gather_bytes(s: StepShape, context_rows: int = 0) -> int:
     row = 2 * s.num_kv_heads * s.head_dim * s.dtype_bytes
     sent = s.rows + context_rows
     return row * (sent * (1 + s.pcp) + 2 * context_rows)
+
+
+def ragged_layer_bytes(s: StepShape) -> int:
+    """One layer of a fresh split step at DCP = 1 (:mod:`vllm_pcp.pcp.ragged`): the K/V
+    gather, and the keys of every local row picked out of it, at most ``2 * T`` rows."""
+    return kv_gather_bytes(s) + 2 * s.num_kv_heads * s.head_dim * s.dtype_bytes * 2 * s.tokens
 
 
 def restore_bytes(s: StepShape) -> int:
@@ -126,7 +138,7 @@ def step_bytes(s: StepShape) -> int:
     if s.pcp == 1:
         return heads_gathered_bytes(s) if s.dcp > 1 else 0
     if s.dcp == 1:
-        layer = kv_gather_bytes(s)
+        layer = ragged_layer_bytes(s) if s.ragged else kv_gather_bytes(s)
     elif s.exchange == "auto":
         layer = max(dcp_layer_bytes(s, "queries"), dcp_layer_bytes(s, "keys"))
     else:
@@ -149,7 +161,8 @@ def widest_step(vllm_config) -> StepShape:
         num_q_heads=model.get_num_attention_heads(parallel),
         num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
         hidden_size=model.get_hidden_size(), dtype_bytes=model.dtype.itemsize,
-        exchange=knobs.dcp_context_exchange)
+        exchange=knobs.dcp_context_exchange,
+        ragged=dcp == 1 and knobs.split_attention == "auto")
 
 
 def split_step_reserve_bytes(vllm_config) -> int:
