@@ -57,7 +57,7 @@ def test_ragged_rows_equal_the_paged_kernel(monkeypatch, world, dim, hkv):
         torch.testing.assert_close(result.restored, expect, **TOL)
 
 
-@pytest.mark.parametrize("world,scheduled", [(3, [2]), (8, [5, 1])])
+@pytest.mark.parametrize("world,scheduled", [(3, [2]), (8, [5])])
 def test_ranks_without_tokens(monkeypatch, world, scheduled):
     results, expect = run_ragged_split_step(monkeypatch, world, scheduled, "cuda",
                                             torch.bfloat16, hq=16, hkv=2, dim=128)
