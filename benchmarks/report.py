@@ -135,6 +135,23 @@ def teacher_table(doc: dict) -> str:
                          "goal"], text_columns=3)
 
 
+def projection_table(doc: dict) -> str:
+    """projection.json: per case its one-GPU model time, the slowest rank's on each attention
+    kernel (ms), the projected ratio (a projection, not a TTFT) and the K/V all-gather of a
+    layer (MiB) that a run on N GPUs adds."""
+    rows = []
+    for r in doc["summary"]:
+        k = f"{r['prompt_len'] // 1024}K"
+        rows.append([f"N = {r['N']}, {k}", _ms(r["one_gpu_ms"]),
+                     _ms(r["slowest_rank_ms"]["paged"]), _ms(r["slowest_rank_ms"]["ragged"]),
+                     f"{r['projected_speedup']['paged']:.2f}",
+                     f"{r['projected_speedup']['ragged']:.2f}",
+                     f"{r['kv_gather_bytes_per_layer'] / 2**20:.0f}"])
+    return _table(rows, ["case", "1 GPU (ms)", "slowest rank, paged (ms)",
+                         "slowest rank, ragged (ms)", "projection, paged",
+                         "projection, ragged", "K/V all-gather per layer (MiB)"])
+
+
 def generated_tables(root: str = ROOT) -> dict[str, list[str]]:
     """Every table the docs print, by the markdown file (relative to ``root``) holding it."""
     def load(name, folder="benchmarks/results"):
@@ -143,11 +160,12 @@ def generated_tables(root: str = ROOT) -> dict[str, list[str]]:
 
     bench, gpu = load, partial(load, folder="tests/gpu/results")
     ttft, serve, gsm8k = bench("ttft.json"), bench("serve.json"), bench("gsm8k.json")
+    projection = projection_table(bench("projection.json"))
     return {
-        "README.md": [timing_table(ttft), serve_table(serve, ("p50_ttft_ms", "p50_tpot_ms")),
-                      gsm8k_table(gsm8k)],
+        "README.md": [timing_table(ttft), projection,
+                      serve_table(serve, ("p50_ttft_ms", "p50_tpot_ms")), gsm8k_table(gsm8k)],
         os.path.join("docs", "benchmarks.md"): [
-            timing_table(ttft), timing_table(bench("ttft-chunked.json"), bench("itl.json")),
+            timing_table(ttft), projection, timing_table(bench("ttft-chunked.json"), bench("itl.json")),
             serve_table(serve), gsm8k_table(gsm8k)],
         os.path.join("docs", "exactness.md"): [
             *(exactness_table(gpu(name)) for name in EXACTNESS_FILES),

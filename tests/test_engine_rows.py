@@ -11,7 +11,7 @@ import rows  # noqa: E402
 from benchmarks import report  # noqa: E402
 
 FILES = ("exactness-pcp.json", "exactness-dcp.json", "exactness-features.json",
-         "exactness-teacher.json", "memory.json")
+         "exactness-teacher.json", "memory.json", "repeatability.json")
 TABLES = dict(zip(FILES, (report.exactness_table, report.exactness_table,
                          report.features_table, report.teacher_table)))
 
