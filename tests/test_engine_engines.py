@@ -111,3 +111,9 @@ def test_serve_flags_say_what_engine_kwargs_say(vllm_parse, name):
     assert args.distributed_executor_backend == kwargs.get("distributed_executor_backend")
     if "compilation_config" in kwargs:
         assert args.compilation_config.pass_config.fuse_allreduce_rms is False
+
+
+def test_layouts_that_take_the_ragged_kernel_on_fresh_steps():
+    assert layouts.takes_ragged("pcp2") and layouts.takes_ragged("tp2-pcp2")
+    assert not any(map(layouts.takes_ragged, ("pcp1", "pcp2-paged", "pcp2-fp8",
+                                               "pcp2-dcp2-i8", "tp2-dcp2-i8")))

@@ -127,3 +127,18 @@ def test_memory_judges_the_split_steps_and_keeps_prompt_logprob_phases_apart():
                                      "prompt_logprobs_peak_gib": 4.0}]
     run["feature_results"] = [{"case": "burst"}]  # then the feature cases are judged: over
     assert judge.rank_rows(run)[0]["fits"] is False
+
+
+def test_the_fresh_steps_kernel_is_the_layouts():
+    """The counts of this repository's first run with the ragged kernel: -pcp 2 (30 of 169
+    split steps ragged), pcp2-paged (none), a one-GPU run (no counts)."""
+    ragged = {"step_counts": [{"split_steps": 169, "ragged_steps": 30}] * 2}
+    paged = {"step_counts": [{"split_steps": 169, "ragged_steps": 0}] * 2}
+    assert judge.ragged_steps_as_expected(ragged, True)
+    assert judge.ragged_steps_as_expected(paged, False)
+    assert judge.ragged_steps_as_expected(paged, True) is False
+    assert judge.ragged_steps_as_expected(ragged, False) is False
+    unsplit = {"step_counts": [{"split_steps": 0, "ragged_steps": 0}]}
+    assert judge.ragged_steps_as_expected(unsplit, True)  # nothing split: nothing to take
+    assert judge.ragged_steps_as_expected({"step_counts": None}, True) is None
+    assert judge.ragged_steps_as_expected({"step_counts": [{"split_steps": 3}]}, True) is None

@@ -285,6 +285,17 @@ def teacher_goal(pooled: dict[str, dict | None], measured: dict[str, dict | None
 GIB = 1 << 30
 
 
+def ragged_steps_as_expected(run: dict, takes_ragged: bool) -> bool | None:
+    """Whether every rank's fresh split steps took the kernel its layout takes: the ragged
+    one on some step wherever ``takes_ragged`` and the rank had split steps, never
+    otherwise (``step_counts``, :class:`vllm_pcp.pcp.counts.PCPStepCounts`). None where the
+    run recorded no counts (one GPU; runs from before the counter)."""
+    counts = [(c["split_steps"], c.get("ragged_steps")) for c in run.get("step_counts") or []]
+    if not counts or any(ragged is None for _, ragged in counts):
+        return None
+    return all(bool(ragged) == (takes_ragged and bool(split)) for split, ragged in counts)
+
+
 def rank_rows(run: dict) -> list[dict]:
     """Per rank, the largest peak of its phases above each one's start against the profile
     run's peak; not of a phase with prompt logprobs (a whole chunk's logits, never profiled)."""

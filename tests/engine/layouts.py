@@ -170,6 +170,14 @@ def gpus(name: str) -> int:
     return lay.pcp * lay.tp
 
 
+def takes_ragged(name: str) -> bool:
+    """Whether a layout's fresh split steps attend with the ragged kernel (DCP = 1 at PCP > 1,
+    ``pcp_split_attention`` auto, an unquantized cache: ``vllm_pcp.pcp.ragged``)."""
+    lay = LAYOUTS[name]
+    return (lay.pcp > 1 and lay.dcp == 1 and lay.kv_cache_dtype == "auto"
+            and lay.knobs.get("pcp_split_attention", "auto") == "auto")
+
+
 def baseline(name: str) -> str | None:
     """The one-GPU layout ``name`` is held to, on the V1 runner the plugin runs (CUDA
     graphs against CUDA graphs, fp8 against fp8, the same preemption pool); None for a

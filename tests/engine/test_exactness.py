@@ -109,6 +109,8 @@ def test_greedy(key, engine, record):
     """Each exactness case by vLLM's top-5 rule (a MoE model: no worse than its -tp 2)."""
     runs, _, (cases, skipped) = _compare(engine, judge.compare_run, key)
     record("greedy", key, runs, cases=cases, not_compared=skipped, dcp=layouts.LAYOUTS[key[2]].dcp)
+    kernel = judge.ragged_steps_as_expected(runs[0], layouts.takes_ragged(key[2]))
+    assert kernel is not False, runs[0]["step_counts"]  # fresh steps took the layout's kernel
     tp2 = (key[0], "chunked", "tp2")
     allowed = _failures(_compare(engine, judge.compare_run, tp2)[2][0]) if key[0] in MOE else []
     assert len(_failures(cases)) <= len(allowed), (_failures(cases), allowed)
