@@ -1,0 +1,248 @@
+"""Host time of one attention layer's plugin work on one GPU: -pcp 2 -dcp 2 against -pcp 2.
+
+    python benchmarks/host_time.py --out host-time.json
+
+Rank 0 of 2 on the steps of ``benchmarks/dcp_host.py`` (``mixed``: 15 decodes at a 16K
+context beside the second 8K chunk of a 16K prompt; ``prefill``: that chunk alone;
+``decode``: the decodes alone), the bench model's heads, real tensors and FlashInfer kernels.
+The other rank is stood in: its collectives give this rank's tensors back (copies), so no
+NCCL time is in the figures. Per step and layout:
+
+    plan_ms    the step's plan on the host, once per step: the split (or the DCP plan) and
+               its FlashInfer plans
+    layer_ms   host time of one layer: the K/V all-gather, the cache write and attention,
+               launched while the GPU is kept busy, so no launch waits for it (mean of RUNS)
+    gpu_ms     the same layer's GPU time (CUDA events), for scale
+    syncs      host-device synchronizations in one layer call (torch's sync debug mode)
+
+-pcp 2's layer is the plugin's K/V gather and write and the paged prefill and decode calls
+vLLM's FlashInfer forward makes for its rows; vLLM's own Python around them is not in it.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from argparse import ArgumentParser, RawDescriptionHelpFormatter
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dcp_host import CHUNK, CONTEXT, DECODES, INTERLEAVE, PROMPT, STEPS, WORLD  # noqa: E402
+from kernel_choice import HEAD_DIM, HEADS, PAGE, WORKSPACE_BYTES  # noqa: E402
+import results  # noqa: E402  (kernel_choice put tests/engine on the path)
+
+RUNS, WARMUP = 10, 3
+GROUP = SimpleNamespace(  # rank 0 of WORLD: every rank's tensors are this rank's
+    world_size=WORLD, rank_in_group=0,
+    all_gather=lambda x, dim=0: torch.cat([x] * WORLD, dim=dim),
+    all_to_all=lambda x: x.clone())
+
+
+def step_batch(step: str, scale: int = 1) -> tuple[list[int], list[int], list[int]]:
+    """``(computed, scheduled, prompt lengths)`` of each request of ``step``, its lengths
+    divided by ``scale`` (the CPU test's small copy)."""
+    context, prompt, chunk = CONTEXT // scale, PROMPT // scale, CHUNK // scale
+    dec = [context + i for i in range(DECODES)]
+    return {"mixed": (dec + [chunk], [1] * DECODES + [prompt - chunk - DECODES],
+                      [c + 1 for c in dec] + [prompt]),
+            "prefill": ([chunk], [prompt - chunk], [prompt]),
+            "decode": (dec, [1] * DECODES, [c + 1 for c in dec])}[step]
+
+
+def _cache_write(device):
+    """vLLM's cache write (``reshape_and_cache_flash``; plain torch off the GPU)."""
+    if device.type == "cuda":
+        from vllm import _custom_ops as ops
+
+        one = torch.ones(1, device=device)
+        return lambda k, v, cache, slots: ops.reshape_and_cache_flash(
+            k, v, cache[0], cache[1], slots, "auto", one, one)
+
+    def write(k, v, cache, slots):
+        keep = slots >= 0
+        for view, x in zip(cache, (k, v)):
+            view.view(-1, *x.shape[1:])[slots[keep]] = x[keep]
+    return write
+
+
+def _setup(computed, scheduled, device, shard: int):
+    """The batch's block table, a cache holding ``1 / shard`` of each sequence, q, k, v."""
+    (hq, hkv), dtype = HEADS, torch.bfloat16
+    pages = -(-(max(computed) + max(scheduled)) // (PAGE * shard)) + 1
+    table = torch.arange(len(computed) * pages, dtype=torch.int32, device=device).view(-1, pages)
+    cache = tuple(torch.randn(table.numel(), PAGE, hkv, HEAD_DIM, dtype=dtype, device=device)
+                  for _ in range(2))
+    tokens = sum(scheduled)
+    q, k, v = (torch.randn(tokens, h, HEAD_DIM, dtype=dtype, device=device) for h in (hq, hkv, hkv))
+    return table, cache, q, k, v
+
+
+def dcp_layer(step: str, exchange: str, device, scale: int = 1):
+    """``(plan(), layer())`` of -pcp 2 -dcp 2 rank 0: the step's plan, one layer's work."""
+    from vllm_pcp.dcp.attention import DCPAttention
+    from vllm_pcp.dcp.plan import build_dcp_plan
+    from vllm_pcp.pcp.exchange import gather_kv
+
+    computed, scheduled, prompts = step_batch(step, scale)
+    table, cache, q, k, v = _setup(computed, scheduled, device, WORLD)
+    (hq, hkv), write = HEADS, _cache_write(device)
+    attn = DCPAttention(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), hq, hkv,
+                        HEAD_DIM, PAGE, torch.bfloat16, HEAD_DIM ** -0.5, "NHD")
+    state = {}
+
+    def plan():
+        p = build_dcp_plan(computed, scheduled, WORLD, 0, INTERLEAVE,
+                           min_split_tokens=CHUNK // scale,
+                           prefill_lens=prompts, context_exchange=exchange,
+                           kv_to_q_heads=hkv / hq)
+        state.update(plan=p, planned=attn.plan(p, table))
+
+    def layer():
+        p, planned = state["plan"], state["planned"]
+        if p.decode is not None:  # vLLM's write of the owned tokens, then the shard
+            write(k, v, cache, _slots(len(k), table, device))
+            return attn.run(planned, GROUP, q, None, None, cache)
+        m, padded = len(p.pcp.local_token_indices), p.pcp.num_padded_tokens_per_rank
+        rows = 0 if p.ctx_gather is None else p.ctx_gather.num_padded
+        context = planned.read_context(cache)
+        k_buf, v_buf = gather_kv(GROUP, k[:m], v[:m], padded,
+                                 *((context, rows) if context is not None else ()))
+        write(k_buf, v_buf, cache, _slots(len(k_buf), table, device))
+        return attn.run(planned, GROUP, q[:m], k_buf, v_buf, cache)
+    return plan, layer
+
+
+def pcp_layer(step: str, device, scale: int = 1):
+    """``(plan(), layer())`` of -pcp 2 rank 0 (DCP = 1): the split and FlashInfer's plans of
+    its decode and prefill rows, as vLLM's FlashInfer forward calls them."""
+    import flashinfer
+
+    from vllm_pcp.dcp.index import paged_kv_layout
+    from vllm_pcp.pcp.exchange import gather_kv
+    from vllm_pcp.pcp.partition import build_pcp_metadata, min_chunk_tokens
+
+    computed, scheduled, prompts = step_batch(step, scale)
+    table, cache, q, k, v = _setup(computed, scheduled, device, 1)
+    (hq, hkv), write, dtype = HEADS, _cache_write(device), torch.bfloat16
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                           use_tensor_cores=True)
+    prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="auto")
+    state = {}
+
+    def plan():
+        p = build_pcp_metadata(computed, scheduled, WORLD, 0, min_split_tokens=CHUNK // scale,
+                               prefill_lens=prompts, min_chunk_tokens=min_chunk_tokens(WORLD, 1))
+        rows = table.index_select(0, p.row_req_indices.to(device, torch.int64))
+        indptr, indices, last = paged_kv_layout(p.seq_lens, rows, PAGE)
+        nd, qsl = p.num_decode_rows, p.query_start_loc
+        kw = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=HEAD_DIM ** -0.5)
+        pages = indptr[nd:] - indptr[nd]
+        if nd:
+            decode.plan(indptr[:nd + 1], indices[:int(indptr[nd])], last[:nd], hq, hkv,
+                        HEAD_DIM, PAGE, **kw)
+        if p.num_rows > nd:
+            prefill.plan(qsl[nd:] - qsl[nd], pages, indices[int(indptr[nd]):], last[nd:], hq,
+                         hkv, HEAD_DIM, PAGE, causal=True, **kw)
+        state.update(plan=p, decodes=p.num_decode_tokens)
+
+    def layer():
+        p, nd = state["plan"], state["decodes"]
+        m = p.num_local_tokens
+        k_buf, v_buf = gather_kv(GROUP, k[:m], v[:m], p.num_padded_tokens_per_rank)
+        write(k_buf, v_buf, cache, _slots(len(k_buf), table, device))
+        out = torch.empty_like(q[:m])
+        if nd:
+            decode.run(q[:nd], cache, out=out[:nd])
+        if m > nd:
+            prefill.run(q[nd:m], cache, out=out[nd:])
+        return out
+    return plan, layer
+
+
+def _slots(rows: int, table: torch.Tensor, device) -> torch.Tensor:
+    """Slots for ``rows`` written rows, every other one -1 (another rank's token)."""
+    slots = torch.arange(rows, device=device) % (table.numel() * PAGE)
+    return torch.where(slots % 2 == 0, slots, torch.full_like(slots, -1))
+
+
+def _host_ms(fn, device, runs: int = RUNS) -> float:
+    """Mean host time of ``runs`` calls of ``fn``, queued behind a GPU sleep on a GPU."""
+    for _ in range(WARMUP):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second: no launch waits for the GPU
+    start = time.perf_counter()
+    for _ in range(runs):
+        fn()
+    host = (time.perf_counter() - start) * 1e3 / runs
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return round(host, 4)
+
+
+def _gpu_ms(fn, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    from kernel_choice import time_ms
+
+    return round(statistics.median(time_ms(fn)), 4)
+
+
+def _syncs(fn, device) -> int | None:
+    """Synchronizing calls in one ``fn()``, as torch's sync debug mode warns of them."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def measure(device: torch.device, scale: int = 1) -> list[dict]:
+    """A row per step and layout: plan_ms, layer_ms, gpu_ms, syncs."""
+    out = []
+    for step, exchange in STEPS:
+        for layout, (plan, layer) in (
+                (f"pcp2-dcp2-i{INTERLEAVE}-{exchange}", dcp_layer(step, exchange, device, scale)),
+                ("pcp2", pcp_layer(step, device, scale) if exchange == "keys" else (None, None))):
+            if plan is None:
+                continue
+            plan_ms = _host_ms(plan, device)
+            out.append({"step": step, "layout": layout, "plan_ms": plan_ms,
+                        "layer_ms": _host_ms(layer, device), "gpu_ms": _gpu_ms(layer, device),
+                        "syncs": _syncs(layer, device)})
+    return out
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per step: each DCP layout's host time (a step's plan plus 36 layers) over -pcp 2's."""
+    def step_ms(r):
+        return r["plan_ms"] + 36 * r["layer_ms"]
+    base = {r["step"]: step_ms(r) for r in rows if r["layout"] == "pcp2"}
+    return [{"step": r["step"], "layout": r["layout"], "host_ms_per_step": round(step_ms(r), 3),
+             "over_pcp2": round(step_ms(r) / base[r["step"]], 3) if base.get(r["step"]) else None}
+            for r in rows if r["layout"] != "pcp2"]
+
+
+if __name__ == "__main__":
+    ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rows = measure(torch.device("cuda"))
+    meta = results.meta(shlex.join(["python", "benchmarks/host_time.py", *sys.argv[1:]]),
+                        runs=RUNS, warmup=WARMUP, layers=36,
+                        stood_in="the other rank: its collectives give this rank's tensors")
+    results.write(os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.out),
+                  {"meta": meta, "rows": rows, "summary": ratios(rows)})

@@ -1,0 +1,35 @@
+"""benchmarks/host_time.py on the CPU: every step of both layouts plans and runs (FlashInfer
+replaced by the reference kernels, the steps' lengths divided by 64), and its ratios."""
+import os
+import sys
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import host_time  # noqa: E402
+from test_dcp_attention_cpu import reference_flashinfer  # noqa: E402,F401  (the fixture)
+
+
+def test_every_step_plans_and_runs_and_attends_its_rows(reference_flashinfer):
+    rows = host_time.measure(torch.device("cpu"), scale=64)
+    assert [(r["step"], r["layout"]) for r in rows] == [
+        ("mixed", "pcp2-dcp2-i8-keys"), ("mixed", "pcp2"), ("mixed", "pcp2-dcp2-i8-queries"),
+        ("prefill", "pcp2-dcp2-i8-keys"), ("prefill", "pcp2"), ("decode", "pcp2-dcp2-i8-keys"),
+        ("decode", "pcp2")]
+    assert all(r["plan_ms"] > 0 and r["layer_ms"] > 0 and r["gpu_ms"] is None for r in rows)
+    cpu = torch.device("cpu")
+    for make in (lambda: host_time.pcp_layer("mixed", cpu, 64),
+                 lambda: host_time.dcp_layer("mixed", "queries", cpu, 64),
+                 lambda: host_time.dcp_layer("decode", "keys", cpu, 64)):
+        plan, layer = make()
+        plan()
+        out = layer()  # the rank's rows, finite
+        assert out.shape[0] >= 15 and out.shape[1:] == (16, 128) and torch.isfinite(out).all()
+
+
+def test_ratios_take_a_plan_and_36_layers_against_pcp2():
+    rows = [{"step": "mixed", "layout": "pcp2", "plan_ms": 1.0, "layer_ms": 0.5},
+            {"step": "mixed", "layout": "pcp2-dcp2-i8-keys", "plan_ms": 2.0, "layer_ms": 1.0}]
+    assert host_time.ratios(rows) == [{"step": "mixed", "layout": "pcp2-dcp2-i8-keys",
+                                       "host_ms_per_step": 38.0, "over_pcp2": 2.0}]
