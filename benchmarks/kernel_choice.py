@@ -1,11 +1,18 @@
 """FlashInfer kernel choices for one PCP rank's new-token attention, timed on one GPU.
 
     python benchmarks/kernel_choice.py --out kernel-choice.json [--cases 2x32768,4x32768]
+        [--context C]
 
 The bench model's attention (bf16, page 16) on a prompt split as ``-pcp N`` splits it: per
-case ``NxP`` and rank, FlashInfer's ``paged`` (-pcp) and ``ragged`` (-dcp) prefill with fa2,
-fa3 and auto, ragged's ``kv_gather``, a ``kv_copy`` of the rank's K/V. ``exact``: equal to
-paged auto's output, held to one GPU's (queries scaled: a wrong mask moves outputs by O(1)).
+case ``NxS`` and rank, FlashInfer's ``paged`` prefill over the cache and ``ragged`` prefill
+over the step's K/V (every key the rows read) with fa2, fa3 and auto, ragged's
+``kv_gather``, a ``kv_copy`` of the rank's K/V. ``exact``: equal to paged auto's output,
+held to one GPU's (queries scaled: a wrong mask moves outputs by O(1)).
+
+``--context C``: the S tokens are a chunk after C tokens of the prompt already in the cache
+(chunked prefill). Then also ``ragged+paged``: the rows' new keys (``C ..`` the row's end) on
+the ragged kernel, causal, their context ``0 .. C`` on the paged kernel, the two merged by
+LSE (``merge_state``), with the gather of the new keys (``kv_gather_new``).
 """
 from __future__ import annotations
 
@@ -35,13 +42,15 @@ TOL, QUERY_SCALE = dict(atol=3e-2, rtol=3e-2), 4.0
 RUNS, WARMUP, WORKSPACE_BYTES = 25, 3, 394 << 20  # vLLM's FlashInfer workspace
 
 
-def rank_rows(prompt_len: int, world: int, rank: int) -> SimpleNamespace:
-    """Rank ``rank``'s rows (chunks ``rank`` and ``2N-1-rank`` of 2N; the whole prompt at
-    N = 1), each attending to the prompt up to its end: ``qo_indptr`` [R + 1], ``kv_lens``
-    [R] int32, ``local_tokens`` [L] int64."""
+def rank_rows(prompt_len: int, world: int, rank: int, context: int = 0) -> SimpleNamespace:
+    """Rank ``rank``'s rows of a chunk of ``prompt_len`` tokens after ``context`` cached ones
+    (chunks ``rank`` and ``2N-1-rank`` of 2N; the whole chunk at N = 1), each attending to
+    the prompt up to its end: ``qo_indptr`` [R + 1], ``kv_lens`` [R] int32, ``local_tokens``
+    [L] int64 (positions in the prompt)."""
     n = 2 * world
     chunks = [(0, prompt_len)] if world == 1 else [
         (prompt_len * c // n, prompt_len * (c + 1) // n) for c in (rank, n - 1 - rank)]
+    chunks = [(context + lo, context + hi) for lo, hi in chunks]
     return SimpleNamespace(
         kv_lens=np.array([hi for _, hi in chunks], np.int32),
         qo_indptr=np.cumsum([0] + [hi - lo for lo, hi in chunks]).astype(np.int32),
@@ -74,7 +83,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for world, length in dict.fromkeys((r["N"], r["prompt_len"]) for r in rows if r["N"] > 1):
         case = [r for r in rows if (r["N"], r["prompt_len"]) == (world, length)]
-        names = [f"{k}-{b}" for k in ("paged", "ragged")
+        names = [f"{k}-{b}" for k in ("paged", "ragged", "ragged+paged")
                  for b in sorted({r["backend"] for r in case if r["kernel"] == k})]
         choices = {c: _slowest(case, c) for c in names}
         exact = {c: all(r["exact"] is True for r in case
@@ -91,6 +100,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             "kv_gather_ms": gather_ms,
             "best_ragged_with_gather_ms": (round(min(ragged) + gather_ms, 4)
                                            if ragged and gather_ms is not None else None),
+            **({"kv_gather_new_ms": new_ms, "ragged_paged_with_gather_ms": round(
+                choices["ragged+paged-auto"] + new_ms, 4)}
+               if (new_ms := _slowest(case, "kv_gather_new-torch")) is not None else {}),
             "kv_copy_ms": _slowest(case, "kv_copy-torch"), "one_gpu_ms": one,
             "one_gpu_over_best": _ratio(one, best_ms),
             "one_gpu_over_paged_auto": _ratio(one, paged_ms)})
@@ -112,8 +124,24 @@ def time_ms(fn) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
-def attention(kernel: str, rows: SimpleNamespace, prompt, backend: str, workspace):
-    """A planned prefill: ``(run, gather)``, gather the K/V copies ragged reads (or None)."""
+def _paged(rows, kv_lens: np.ndarray, backend: str, workspace, plan: dict):
+    """A paged prefill wrapper planned for ``rows`` reading ``kv_lens`` keys each: row j
+    pages 0 .. ceil(kv_lens[j] / PAGE) - 1 of the one request."""
+    import flashinfer
+
+    t, pages = torch.from_numpy, -(-kv_lens // PAGE)
+    indices = t(np.concatenate([np.arange(n, dtype=np.int32) for n in pages])).cuda()
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+    w.plan(t(rows.qo_indptr), t(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)),
+           indices, t((kv_lens - (pages - 1) * PAGE).astype(np.int32)), *HEADS, HEAD_DIM, PAGE,
+           **plan)
+    return w
+
+
+def attention(kernel: str, rows: SimpleNamespace, prompt, backend: str, workspace,
+              context: int = 0):
+    """A planned prefill: ``(run, gather)``, gather the K/V copies ragged reads (or None).
+    ``ragged+paged``: keys from ``context`` on on the ragged kernel, the context paged."""
     import flashinfer
 
     t, dtype = torch.from_numpy, torch.bfloat16
@@ -121,14 +149,11 @@ def attention(kernel: str, rows: SimpleNamespace, prompt, backend: str, workspac
                 o_data_type=dtype)
     q = prompt.q.index_select(0, t(rows.local_tokens).cuda())
     out = torch.empty_like(q)
-    if kernel == "paged":  # row j: pages 0 .. ceil(kv_lens[j] / PAGE) - 1 of the one request
-        pages = -(-rows.kv_lens // PAGE)
-        indices = t(np.concatenate([np.arange(n, dtype=np.int32) for n in pages])).cuda()
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
-        w.plan(t(rows.qo_indptr), t(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)),
-               indices, t(rows.kv_lens - (pages - 1) * PAGE), *HEADS, HEAD_DIM, PAGE, **plan)
+    if kernel == "paged":
+        w = _paged(rows, rows.kv_lens, backend, workspace, plan)
         return (lambda: w.run(q, prompt.cache, out=out)), None
-    index = t(np.concatenate([np.arange(n) for n in rows.kv_lens])).cuda()  # keys < kv_lens
+    first = context if kernel == "ragged+paged" else 0
+    index = t(np.concatenate([np.arange(first, n) for n in rows.kv_lens])).cuda()
     k, v = prompt.k.index_select(0, index), prompt.v.index_select(0, index)
 
     def gather():
@@ -136,9 +161,21 @@ def attention(kernel: str, rows: SimpleNamespace, prompt, backend: str, workspac
         torch.index_select(prompt.v, 0, index, out=v)
 
     w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
-    w.plan(t(rows.qo_indptr), t(np.concatenate([[0], np.cumsum(rows.kv_lens)]).astype(np.int32)),
+    w.plan(t(rows.qo_indptr),
+           t(np.concatenate([[0], np.cumsum(rows.kv_lens - first)]).astype(np.int32)),
            *HEADS, HEAD_DIM, **plan)
-    return (lambda: w.run(q, k, v, out=out)), gather
+    if kernel == "ragged":
+        return (lambda: w.run(q, k, v, out=out)), gather
+    ctx = _paged(rows, np.full_like(rows.kv_lens, context), backend, workspace,
+                 {**plan, "causal": False})
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    ctx_out, ctx_lse = torch.empty_like(q), torch.empty_like(lse)
+
+    def run():
+        w.run(q, k, v, out=out, lse=lse, return_lse=True)
+        ctx.run(q, prompt.cache, out=ctx_out, lse=ctx_lse, return_lse=True)
+        return flashinfer.merge_state(out, lse, ctx_out, ctx_lse)[0]
+    return run, gather
 
 
 def make_prompt(prompt_len: int) -> SimpleNamespace:
@@ -154,31 +191,39 @@ def make_prompt(prompt_len: int) -> SimpleNamespace:
     return SimpleNamespace(q=q * QUERY_SCALE, k=k, v=v, cache=cache)
 
 
-def measure(cases: list[tuple[int, int]]) -> list[dict]:
+def measure(cases: list[tuple[int, int]], context: int = 0) -> list[dict]:
     """Per prompt length its one-GPU row, then per case and rank: each choice (paged auto
-    first, the others' reference), the gather, the copy of the largest rank's K/V."""
+    first, the others' reference), the gathers, the copy of the largest rank's K/V."""
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    choices = CHOICES + ([("ragged+paged", "auto")] if context else [])
     out = []
     for prompt_len in sorted({p for _, p in cases}):
-        prompt = make_prompt(prompt_len)
-        run, _ = attention("paged", rank_rows(prompt_len, 1, 0), prompt, "auto", workspace)
+        prompt = make_prompt(context + prompt_len)
+        run, _ = attention("paged", rank_rows(prompt_len, 1, 0, context), prompt, "auto",
+                           workspace)
         one_gpu_out = run().clone()
         out.append(row(1, prompt_len, 0, "paged", "auto", time_ms(run), None))
         for case in [(w, prompt_len, r) for w, p in cases if p == prompt_len for r in range(w)]:
-            rows = rank_rows(prompt_len, case[0], case[2])
-            expect = one_gpu_out.index_select(0, torch.from_numpy(rows.local_tokens).cuda())
-            for kernel, backend in CHOICES:
-                run, gather = attention(kernel, rows, prompt, backend, workspace)
+            rows = rank_rows(prompt_len, case[0], case[2], context)
+            expect = one_gpu_out.index_select(
+                0, torch.from_numpy(rows.local_tokens - context).cuda())
+            gathers = {}
+            for kernel, backend in choices:
+                run, gathers[kernel] = attention(kernel, rows, prompt, backend, workspace,
+                                                 context)
                 got = run()
                 diff = round(float((got.float() - expect.float()).abs().max()), 5)
                 out.append(row(*case, kernel, backend, time_ms(run),
                                torch.allclose(got, expect, **TOL), max_abs_diff=diff))
-                expect = got.clone() if (kernel, backend) == CHOICES[0] else expect
+                expect = got.clone() if (kernel, backend) == choices[0] else expect
             size = -(-prompt_len // case[0]) * 2 * HEADS[1] * HEAD_DIM * 2  # bytes of K, V
             src, dst = (torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(2))
-            out += [row(*case, "kv_gather", "torch", time_ms(gather), None),
+            out += [row(*case, "kv_gather", "torch", time_ms(gathers["ragged"]), None),
                     row(*case, "kv_copy", "torch", time_ms(lambda: dst.copy_(src)), None,
                         bytes=size)]
+            if context:
+                out.append(row(*case, "kv_gather_new", "torch",
+                               time_ms(gathers["ragged+paged"]), None))
         del prompt, one_gpu_out
         torch.cuda.empty_cache()
     return out
@@ -197,15 +242,19 @@ if __name__ == "__main__":
     ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="2x32768,4x32768,2x131072", help="NxPROMPT_LEN,...")
+    ap.add_argument("--context", type=int, default=0,
+                    help="tokens of the prompt cached before the chunk (a multiple of 16)")
     args = ap.parse_args()
     cases = parse_cases(args.cases)
+    if args.context % PAGE:
+        raise SystemExit(f"--context {args.context}: a multiple of {PAGE}")
     start = time.perf_counter()
-    rows = measure(cases)
+    rows = measure(cases, args.context)
     meta = results.meta(
         shlex.join(["python", "benchmarks/kernel_choice.py", *sys.argv[1:]]),
         shape={"q_heads": HEADS[0], "kv_heads": HEADS[1], "head_dim": HEAD_DIM,
                "dtype": "bfloat16", "page_size": PAGE, "kv_layout": "NHD"},
-        runs=RUNS, warmup=WARMUP, tolerance=TOL, query_scale=QUERY_SCALE,
+        runs=RUNS, warmup=WARMUP, tolerance=TOL, query_scale=QUERY_SCALE, context=args.context,
         wall_s=round(time.perf_counter() - start, 1))
     results.write(os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.out),
                   {"meta": meta, "rows": rows, "summary": summarize(rows)})

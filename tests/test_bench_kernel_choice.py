@@ -52,3 +52,31 @@ def test_summary_of_the_committed_rows_is_the_committed_summary():
     with open(os.path.join(kc.ROOT, "benchmarks", "results", "kernel-choice.json")) as f:
         doc = json.load(f)
     assert kc.summarize(doc["rows"]) == doc["summary"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rows_of_a_chunk_after_cached_context_are_the_plugins(world):
+    """``--context``: the chunk's rows sit at their positions after the cached tokens."""
+    context, chunk = 4096, 8192
+    for rank in range(world):
+        rows = kc.rank_rows(chunk, world, rank, context)
+        meta = build_pcp_metadata([context], [chunk], world, rank)
+        np.testing.assert_array_equal(rows.kv_lens, meta.seq_lens.numpy())
+        np.testing.assert_array_equal(rows.qo_indptr, meta.query_start_loc.numpy())
+        np.testing.assert_array_equal(rows.local_tokens - context,
+                                      meta.local_token_indices.numpy())
+
+
+def test_summary_with_the_merged_choice_adds_its_gather():
+    rows = [kc.row(1, 8192, 0, "paged", "auto", [4.0] * 20, None)]
+    for rank in range(2):
+        rows += [kc.row(2, 8192, rank, "paged", "auto", [2.0] * 20, True),
+                 kc.row(2, 8192, rank, "ragged", "auto", [2.5] * 20, True),
+                 kc.row(2, 8192, rank, "ragged+paged", "auto", [1.8] * 20, True),
+                 kc.row(2, 8192, rank, "kv_gather", "torch", [0.3] * 20, None),
+                 kc.row(2, 8192, rank, "kv_copy", "torch", [0.01] * 20, None),
+                 kc.row(2, 8192, rank, "kv_gather_new", "torch", [0.1] * 20, None)]
+    (s,) = kc.summarize(rows)
+    assert s["best"] == {"kernel": "ragged+paged", "backend": "auto", "ms": 1.8}
+    assert (s["kv_gather_new_ms"], s["ragged_paged_with_gather_ms"]) == (0.1, 1.9)
+    assert s["best_ragged_with_gather_ms"] == 2.8
