@@ -39,7 +39,9 @@ JOBS = {  # (model, variant, layout) -> the case groups of its engine
     **_each(R, "tp2-pcp2 tp2-pcp2-dcp2-i1 pcp4-dcp4-i8 pcp8 pcp2-graphs pcp2-dcp2-i8-graphs "
                "pcp2-ray pcp2-dcp2-i1 pcp2-dcp2-i16"),
     **_each(R, "pcp2 pcp2-dcp2-i8 pcp4", variant="unchunked"),
-    **_each(R + "-full", "tp4-pcp2-dcp2-i8"),
+    # the test plan of vLLM's GQA FlashInfer PCP pull request (36 layers), and the same 8 ranks
+    # on the 4-layer shape, which one GPU holding every rank can finish
+    **_each(R + "-full", "tp4-pcp2-dcp2-i8"), **_each(R, "tp4-pcp2-dcp2-i8"),
     **_each(S, "pcp2 pcp2-dcp2-i1 pcp4", F), **_each(S, "pcp2-dcp2-i16 pcp4-dcp4-i1 pcp8"),
     **_each(S, "pcp2", variant="unchunked"),
     **_each(M, "pcp2 tp2-dcp2-i8 tp2-pcp2 tp2-pcp2-dcp2-i1"),
