@@ -82,6 +82,17 @@ FLASHINFER = SimpleNamespace(
     merge_state_in_place=lambda *args: None)
 
 
+def step_batch(step: str, scale: int = 1) -> tuple[list[int], list[int], list[int]]:
+    """``(computed, scheduled, prompt lengths)`` of each request of ``step``, its lengths
+    divided by ``scale`` (a CPU test's small copy)."""
+    context, prompt, chunk = CONTEXT // scale, PROMPT // scale, CHUNK // scale
+    dec = [context + i for i in range(DECODES)]
+    return {"mixed": (dec + [chunk], [1] * DECODES + [prompt - chunk - DECODES],
+                      [c + 1 for c in dec] + [prompt]),
+            "prefill": ([chunk], [prompt - chunk], [prompt]),
+            "decode": (dec, [1] * DECODES, [c + 1 for c in dec])}[step]
+
+
 def measure(step: str, exchange: str) -> dict:
     """One layer's counts at ``step`` and context exchange ``exchange``."""
     import vllm.v1.attention.backends.flashinfer  # noqa: F401  (before the stand-ins)
@@ -89,12 +100,7 @@ def measure(step: str, exchange: str) -> dict:
     from vllm_pcp.dcp.plan import build_dcp_plan
     from vllm_pcp.pcp.exchange import gather_kv
 
-    dec = [CONTEXT + i for i in range(DECODES)]
-    computed, scheduled, prompts = {  # of each request
-        "mixed": (dec + [CHUNK], [1] * DECODES + [PROMPT - CHUNK - DECODES],
-                  [c + 1 for c in dec] + [PROMPT]),
-        "prefill": ([CHUNK], [PROMPT - CHUNK], [PROMPT]),
-        "decode": (dec, [1] * DECODES, [c + 1 for c in dec])}[step]
+    computed, scheduled, prompts = step_batch(step)
     (hq, hkv), meta, dtype = HEADS, torch.device("meta"), torch.bfloat16
     plan = build_dcp_plan(computed, scheduled, WORLD, RANK, INTERLEAVE, min_split_tokens=CHUNK,
                           prefill_lens=prompts, context_exchange=exchange,

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dcp_host import CHUNK, CONTEXT, DECODES, INTERLEAVE, PROMPT, STEPS, WORLD  # noqa: E402
+from dcp_host import CHUNK, INTERLEAVE, STEPS, WORLD, step_batch  # noqa: E402
 from kernel_choice import HEAD_DIM, HEADS, PAGE, WORKSPACE_BYTES  # noqa: E402
 import results  # noqa: E402  (kernel_choice put tests/engine on the path)
 
@@ -41,17 +41,6 @@ GROUP = SimpleNamespace(  # rank 0 of WORLD: every rank's tensors are this rank'
     world_size=WORLD, rank_in_group=0,
     all_gather=lambda x, dim=0: torch.cat([x] * WORLD, dim=dim),
     all_to_all=lambda x: x.clone())
-
-
-def step_batch(step: str, scale: int = 1) -> tuple[list[int], list[int], list[int]]:
-    """``(computed, scheduled, prompt lengths)`` of each request of ``step``, its lengths
-    divided by ``scale`` (the CPU test's small copy)."""
-    context, prompt, chunk = CONTEXT // scale, PROMPT // scale, CHUNK // scale
-    dec = [context + i for i in range(DECODES)]
-    return {"mixed": (dec + [chunk], [1] * DECODES + [prompt - chunk - DECODES],
-                      [c + 1 for c in dec] + [prompt]),
-            "prefill": ([chunk], [prompt - chunk], [prompt]),
-            "decode": (dec, [1] * DECODES, [c + 1 for c in dec])}[step]
 
 
 def _cache_write(device):
