@@ -73,12 +73,12 @@ def ragged_kv_rows(plan: PrefillContextParallelMetadata,
 @dataclass
 class PlannedRaggedStep:
     """A fresh split step's ragged kernel, planned once for every layer of a KV cache
-    group; valid until the next :meth:`RaggedSplitAttention.plan`.
+    group; valid until the wrapper's next :meth:`RaggedSplitAttention.plan`.
 
     ``kv_rows`` is None on a rank without local rows: its layers still gather and
     write the step's K/V, and attend nothing."""
 
-    attention: RaggedSplitAttention
+    wrapper: object  # FlashInfer's BatchPrefillWithRaggedKVCacheWrapper, planned
     kv_rows: torch.Tensor | None  # [K] int64 on the device
     num_local_tokens: int
 
@@ -86,7 +86,9 @@ class PlannedRaggedStep:
             out: torch.Tensor) -> None:
         """``query [L, Hq, D]`` local rows; ``key``/``value [N * P, Hkv, D]`` the
         gathered buffer; ``out [L, Hq, D]`` written in place."""
-        self.attention.run(self, query, key, value, out)
+        if self.kv_rows is not None:
+            self.wrapper.run(query, key.index_select(0, self.kv_rows),
+                             value.index_select(0, self.kv_rows), out=out)
 
 
 class RaggedSplitAttention:
@@ -107,17 +109,11 @@ class RaggedSplitAttention:
         """Plan the local rows of a fresh step (:func:`is_fresh_step`); index arguments
         stay on the CPU (FlashInfer plans on the host), the key rows go to ``device``."""
         if not plan.num_rows:
-            return PlannedRaggedStep(self, None, 0)
+            return PlannedRaggedStep(self._wrapper, None, 0)
         kv_rows, kv_indptr = ragged_kv_rows(plan, num_scheduled_tokens)
         hq, hkv, dim = self.heads
         self._wrapper.plan(plan.query_start_loc, kv_indptr, hq, hkv, dim, causal=True,
                            sm_scale=self.sm_scale, q_data_type=self.dtype,
                            kv_data_type=self.dtype, o_data_type=self.dtype)
-        return PlannedRaggedStep(self, kv_rows.to(device, non_blocking=True),
+        return PlannedRaggedStep(self._wrapper, kv_rows.to(device, non_blocking=True),
                                  plan.num_local_tokens)
-
-    def run(self, step: PlannedRaggedStep, query, key, value, out) -> None:
-        if step.kv_rows is None:
-            return
-        self._wrapper.run(query, key.index_select(0, step.kv_rows),
-                          value.index_select(0, step.kv_rows), out=out)
