@@ -9,7 +9,10 @@ The other rank is stood in: its collectives give this rank's tensors back (copie
 NCCL time is in the figures. Per step and layout:
 
     plan_ms    the step's plan on the host, once per step: the split (or the DCP plan) and
-               its FlashInfer plans
+               its FlashInfer plans, timed with the GPU idle (mean of RUNS)
+    plan_waits whether the plan waits for the GPU: queued behind a GPU sleep of about a
+               second, its first call takes more than half of it (a plan that waits cannot
+               run ahead of the step before it)
     layer_ms   host time of one layer: the K/V all-gather, the cache write and attention,
                launched while the GPU is kept busy, so no launch waits for it (mean of RUNS)
     gpu_ms     the same layer's GPU time (CUDA events), for scale
@@ -160,13 +163,18 @@ def _slots(rows: int, table: torch.Tensor, device) -> torch.Tensor:
     return torch.where(slots % 2 == 0, slots, torch.full_like(slots, -1))
 
 
-def _host_ms(fn, device, runs: int = RUNS) -> float:
-    """Mean host time of ``runs`` calls of ``fn``, queued behind a GPU sleep on a GPU."""
+SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time on an H200
+
+
+def _host_ms(fn, device, runs: int = RUNS, busy: bool = True) -> float:
+    """Mean host time of ``runs`` calls of ``fn``; ``busy``: queued behind a GPU sleep on a
+    GPU, so that no launch waits for the GPU (else with the GPU idle)."""
     for _ in range(WARMUP):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000)  # about a second: no launch waits for the GPU
+        if busy:
+            torch.cuda._sleep(SLEEP_CYCLES)
     start = time.perf_counter()
     for _ in range(runs):
         fn()
@@ -174,6 +182,27 @@ def _host_ms(fn, device, runs: int = RUNS) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return round(host, 4)
+
+
+def _waits_for_gpu(fn, device) -> bool | None:
+    """Whether one call of ``fn`` queued behind a GPU sleep lasts more than half of it."""
+    if device.type != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    end.record()
+    end.synchronize()
+    sleep_s = start.elapsed_time(end) / 1e3
+    torch.cuda._sleep(SLEEP_CYCLES)
+    began = time.perf_counter()
+    fn()
+    took = time.perf_counter() - began
+    torch.cuda.synchronize()
+    return took > sleep_s / 2
 
 
 def _gpu_ms(fn, device) -> float | None:
@@ -200,7 +229,7 @@ def _syncs(fn, device) -> int | None:
 
 
 def measure(device: torch.device, scale: int = 1) -> list[dict]:
-    """A row per step and layout: plan_ms, layer_ms, gpu_ms, syncs."""
+    """A row per step and layout: plan_ms, plan_waits, layer_ms, gpu_ms, syncs."""
     out = []
     for step, exchange in STEPS:
         for layout, (plan, layer) in (
@@ -208,8 +237,9 @@ def measure(device: torch.device, scale: int = 1) -> list[dict]:
                 ("pcp2", pcp_layer(step, device, scale) if exchange == "keys" else (None, None))):
             if plan is None:
                 continue
-            plan_ms = _host_ms(plan, device)
-            out.append({"step": step, "layout": layout, "plan_ms": plan_ms,
+            plan_ms = _host_ms(plan, device, busy=False)
+            waits = _waits_for_gpu(plan, device)
+            out.append({"step": step, "layout": layout, "plan_ms": plan_ms, "plan_waits": waits,
                         "layer_ms": _host_ms(layer, device), "gpu_ms": _gpu_ms(layer, device),
                         "syncs": _syncs(layer, device)})
     return out

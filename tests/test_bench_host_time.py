@@ -17,7 +17,8 @@ def test_every_step_plans_and_runs_and_attends_its_rows(reference_flashinfer):
         ("mixed", "pcp2-dcp2-i8-keys"), ("mixed", "pcp2"), ("mixed", "pcp2-dcp2-i8-queries"),
         ("prefill", "pcp2-dcp2-i8-keys"), ("prefill", "pcp2"), ("decode", "pcp2-dcp2-i8-keys"),
         ("decode", "pcp2")]
-    assert all(r["plan_ms"] > 0 and r["layer_ms"] > 0 and r["gpu_ms"] is None for r in rows)
+    assert all(r["plan_ms"] > 0 and r["layer_ms"] > 0 and r["gpu_ms"] is None
+               and r["plan_waits"] is None for r in rows)
     cpu = torch.device("cpu")
     for make in (lambda: host_time.pcp_layer("mixed", cpu, 64),
                  lambda: host_time.dcp_layer("mixed", "queries", cpu, 64),
