@@ -184,25 +184,23 @@ def _host_ms(fn, device, runs: int = RUNS, busy: bool = True) -> float:
     return round(host, 4)
 
 
-def _waits_for_gpu(fn, device) -> bool | None:
-    """Whether one call of ``fn`` queued behind a GPU sleep lasts more than half of it."""
+def _sleep_ms(device) -> float | None:
+    """GPU time of one ``torch.cuda._sleep(SLEEP_CYCLES)`` (ms)."""
     if device.type != "cuda":
         return None
-    fn()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     start.record()
     torch.cuda._sleep(SLEEP_CYCLES)
     end.record()
     end.synchronize()
-    sleep_s = start.elapsed_time(end) / 1e3
-    torch.cuda._sleep(SLEEP_CYCLES)
-    began = time.perf_counter()
-    fn()
-    took = time.perf_counter() - began
-    torch.cuda.synchronize()
-    return took > sleep_s / 2
+    return start.elapsed_time(end)
+
+
+def _waits_for_gpu(fn, device, sleep_ms: float | None) -> bool | None:
+    """Whether one call of ``fn`` queued behind a GPU sleep lasts more than half of it."""
+    if sleep_ms is None:
+        return None
+    return _host_ms(fn, device, runs=1) > sleep_ms / 2
 
 
 def _gpu_ms(fn, device) -> float | None:
@@ -230,7 +228,7 @@ def _syncs(fn, device) -> int | None:
 
 def measure(device: torch.device, scale: int = 1) -> list[dict]:
     """A row per step and layout: plan_ms, plan_waits, layer_ms, gpu_ms, syncs."""
-    out = []
+    out, sleep_ms = [], _sleep_ms(device)
     for step, exchange in STEPS:
         for layout, (plan, layer) in (
                 (f"pcp2-dcp2-i{INTERLEAVE}-{exchange}", dcp_layer(step, exchange, device, scale)),
@@ -238,7 +236,7 @@ def measure(device: torch.device, scale: int = 1) -> list[dict]:
             if plan is None:
                 continue
             plan_ms = _host_ms(plan, device, busy=False)
-            waits = _waits_for_gpu(plan, device)
+            waits = _waits_for_gpu(plan, device, sleep_ms)
             out.append({"step": step, "layout": layout, "plan_ms": plan_ms, "plan_waits": waits,
                         "layer_ms": _host_ms(layer, device), "gpu_ms": _gpu_ms(layer, device),
                         "syncs": _syncs(layer, device)})
