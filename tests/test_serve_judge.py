@@ -89,3 +89,29 @@ def test_gsm8k_rows_and_result_files_from_parts(tmp_path, monkeypatch):
     assert out["goals"] == {"pcp1": {"g": True}, "pcp2": {"g": False}}
     assert out["all_goals_met"] is False and len(out["runs"]) == 2
     assert not serve.goals_file([{"layout": "x", "goals": {}}])["all_goals_met"]  # an error
+
+
+def test_the_soak_counts_only_the_servers_gpu_memory():
+    """Other jobs on a shared GPU grow its use; the server's processes' own use is judged."""
+    others = [(7, 40 << 30), (8, 1 << 30)]  # another server and an engine beside it
+    mine = [(101, 3 << 30), (102, 2 << 30)]
+    assert serve.gpu_mib_of({100, 101, 102}, others + mine, 90_000.0) == (
+        5 * 1024, "the server's processes (NVML)")
+    mib, measure = serve.gpu_mib_of({100}, others, 90_000.4)  # NVML sees none of them
+    assert mib == 90_000 and "whole GPUs" in measure
+    recs = [{"outcome": "done", "ttft_s": 0.5, "itl_s": [.1]}]
+    ref = {"a": {"text": "x"}}
+    own = "the server's processes (NVML)"
+    beside_growing = [[0, 900, 5120, own], [70, 900, 5120, own], [140, 901, 5121, own]]
+    soak = serve.judge_soak(recs, beside_growing, ref, ref)
+    assert soak["memory"]["gpu_measure"] == ["the server's processes (NVML)"]
+    assert soak["memory"]["series"][-1] == [140, 901, 5121] and soak["goals"]["memory_flat"]
+
+
+def test_vllm_gives_the_nvml_calls_the_soak_reads():
+    from vllm.utils.import_utils import import_pynvml
+
+    nvml = import_pynvml()
+    for name in ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
+                 "nvmlDeviceGetComputeRunningProcesses"):
+        assert callable(getattr(nvml, name)), name

@@ -177,9 +177,35 @@ def judge_dead_rank(run: dict, log_text: str, stop_s: float = 60.0) -> dict:
         "no_request_waits_forever": all(r["seconds"] < TIMEOUT_S - 0.5 for r in run["requests"])}}
 
 
+def gpu_mib_of(pids: set[int], processes: list[tuple[int, int]], device_used_mib: float
+               ) -> tuple[float, str]:
+    """GPU memory of ``pids`` (MiB) from ``processes``, NVML's (pid, bytes) of every GPU,
+    and what it measured. Other jobs on the same GPUs are not counted: where NVML names
+    none of ``pids`` (a PID namespace it cannot see into), the whole devices' use."""
+    mine = [used for pid, used in processes if pid in pids]
+    if mine:
+        return round(sum(mine) / 2**20), "the server's processes (NVML)"
+    return round(device_used_mib), "the whole GPUs (NVML names none of the server's processes)"
+
+
+def nvml_processes() -> list[tuple[int, int]]:
+    """(pid, GPU bytes) of every compute process on every GPU, by NVML."""
+    from vllm.utils.import_utils import import_pynvml
+
+    nvml = import_pynvml()
+    nvml.nvmlInit()
+    try:
+        return [(p.pid, p.usedGpuMemory or 0)
+                for i in range(nvml.nvmlDeviceGetCount())
+                for p in nvml.nvmlDeviceGetComputeRunningProcesses(
+                    nvml.nvmlDeviceGetHandleByIndex(i))]
+    finally:
+        nvml.nvmlShutdown()
+
+
 def judge_soak(records: list[dict], samples: list[list], answers: dict, reference: dict) -> dict:
-    """The soak's outcomes, TTFT and ITL (recorded, never judged); memory ([s, RSS, GPU MiB]
-    samples) grown since WARMUP_S (caches full by then), flat within max(FLAT_MIB,
+    """The soak's outcomes, TTFT and ITL (recorded, never judged); memory ([s, RSS, GPU MiB,
+    what the GPU figure measured] samples) grown since WARMUP_S (caches full by then), flat within max(FLAT_MIB,
     FLAT_FRACTION of that baseline); the greedy texts unlike -pcp 1's; its goals."""
     import numpy as np
 
@@ -189,7 +215,8 @@ def judge_soak(records: list[dict], samples: list[list], answers: dict, referenc
     count = {k: sum(r["outcome"] == k for r in records)
              for k in ("done", "cancelled", "error", "hang")}
     base = next((s for s in samples if s[0] >= WARMUP_S), samples[-1])
-    memory = {"warmup_s": WARMUP_S, "series": samples, **{name: {
+    memory = {"warmup_s": WARMUP_S, "series": [s[:3] for s in samples],
+              "gpu_measure": sorted({s[3] for s in samples if len(s) > 3}), **{name: {
         "baseline_mib": base[col], "growth_mib": round(samples[-1][col] - base[col], 1),
         "flat": samples[-1][col] - base[col] <= max(FLAT_MIB, FLAT_FRACTION * base[col])}
         for col, name in ((1, "rss"), (2, "gpu"))}}

@@ -220,11 +220,14 @@ async def load(server, plan: dict, every_s: float = 5.0) -> tuple[list, list]:
         while time.perf_counter() < start + plan["duration_s"]:
             records.append(await stream(session, server, next(indices), plan))
 
-    def sample() -> list:  # [s, RSS MiB of the server's processes, used MiB of all GPUs]
+    def sample() -> list:  # [s, RSS MiB and GPU MiB of the server's processes, GPU measure]
         main = psutil.Process(server.proc.pid)
-        rss = sum(p.memory_info().rss for p in [main, *main.children(recursive=True)])
+        procs = [main, *main.children(recursive=True)]
         used = sum(map(torch.cuda.device_memory_used, range(torch.cuda.device_count())))
-        return [round(time.perf_counter() - start, 1), round(rss / 2**20), round(used / 2**20)]
+        gpu, measure = serve.gpu_mib_of({p.pid for p in procs}, serve.nvml_processes(),
+                                        used / 2**20)
+        rss = sum(p.memory_info().rss for p in procs)
+        return [round(time.perf_counter() - start, 1), round(rss / 2**20), gpu, measure]
 
     async def sample_every():
         while True:
