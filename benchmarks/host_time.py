@@ -10,6 +10,10 @@ NCCL time is in the figures. Per step and layout:
 
     plan_ms    the step's plan on the host, once per step: the split (or the DCP plan) and
                its FlashInfer plans, timed with the GPU idle (mean of RUNS)
+    plan_parts_ms  where the plan's host time goes (the same calls, GPU idle): ``split``, the
+               plugin's split (``build_pcp_metadata``, ``build_dcp_plan``); ``flashinfer``,
+               FlashInfer's ``plan`` calls; ``rest``, the plugin's index work and its copies
+               to the device
     plan_waits whether the plan waits for the GPU: queued behind a GPU sleep of about a
                second, its first call takes more than half of it (a plan that waits cannot
                run ahead of the step before it)
@@ -40,6 +44,18 @@ from kernel_choice import HEAD_DIM, HEADS, PAGE, WORKSPACE_BYTES  # noqa: E402
 import results  # noqa: E402  (kernel_choice put tests/engine on the path)
 
 RUNS, WARMUP = 10, 3
+PLAN_PARTS = ("split", "flashinfer")  # plan_parts_ms, less "rest"
+
+
+def _timed(fn, parts: dict, part: str):
+    """``fn`` adding its host time (ms) to ``parts[part]``."""
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            parts[part] = parts.get(part, 0.0) + (time.perf_counter() - start) * 1e3
+    return run
 GROUP = SimpleNamespace(  # rank 0 of WORLD: every rank's tensors are this rank's
     world_size=WORLD, rank_in_group=0,
     all_gather=lambda x, dim=0: torch.cat([x] * WORLD, dim=dim),
@@ -85,14 +101,17 @@ def dcp_layer(step: str, exchange: str, device, scale: int = 1):
     (hq, hkv), write = HEADS, _cache_write(device)
     attn = DCPAttention(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), hq, hkv,
                         HEAD_DIM, PAGE, torch.bfloat16, HEAD_DIM ** -0.5, "NHD")
-    state = {}
+    state, parts = {}, {}
+    split = _timed(build_dcp_plan, parts, "split")
+    for wrapper in (attn._new, attn._split, attn._replicated, attn._decode):
+        wrapper.plan = _timed(wrapper.plan, parts, "flashinfer")
+    attn._fast_plan_decode = _timed(attn._fast_plan_decode, parts, "flashinfer")
 
     def plan():
-        p = build_dcp_plan(computed, scheduled, WORLD, 0, INTERLEAVE,
-                           min_split_tokens=CHUNK // scale,
-                           prefill_lens=prompts, context_exchange=exchange,
-                           kv_to_q_heads=hkv / hq)
+        p = split(computed, scheduled, WORLD, 0, INTERLEAVE, min_split_tokens=CHUNK // scale,
+                  prefill_lens=prompts, context_exchange=exchange, kv_to_q_heads=hkv / hq)
         state.update(plan=p, planned=attn.plan(p, table))
+    plan.parts = parts
 
     def layer():
         p, planned = state["plan"], state["planned"]
@@ -125,11 +144,14 @@ def pcp_layer(step: str, device, scale: int = 1):
     decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
                                                            use_tensor_cores=True)
     prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="auto")
-    state = {}
+    state, parts = {}, {}
+    split = _timed(build_pcp_metadata, parts, "split")
+    decode.plan = _timed(decode.plan, parts, "flashinfer")
+    prefill.plan = _timed(prefill.plan, parts, "flashinfer")
 
     def plan():
-        p = build_pcp_metadata(computed, scheduled, WORLD, 0, min_split_tokens=CHUNK // scale,
-                               prefill_lens=prompts, min_chunk_tokens=min_chunk_tokens(WORLD, 1))
+        p = split(computed, scheduled, WORLD, 0, min_split_tokens=CHUNK // scale,
+                  prefill_lens=prompts, min_chunk_tokens=min_chunk_tokens(WORLD, 1))
         rows = table.index_select(0, p.row_req_indices.to(device, torch.int64))
         indptr, indices, last = paged_kv_layout(p.seq_lens, rows, PAGE)
         nd, qsl = p.num_decode_rows, p.query_start_loc
@@ -142,6 +164,7 @@ def pcp_layer(step: str, device, scale: int = 1):
             prefill.plan(qsl[nd:] - qsl[nd], pages, indices[int(indptr[nd]):], last[nd:], hq,
                          hkv, HEAD_DIM, PAGE, causal=True, **kw)
         state.update(plan=p, decodes=p.num_decode_tokens)
+    plan.parts = parts
 
     def layer():
         p, nd = state["plan"], state["decodes"]
@@ -196,6 +219,23 @@ def _sleep_ms(device) -> float | None:
     return start.elapsed_time(end)
 
 
+def _plan_parts(plan, device, runs: int = RUNS) -> dict:
+    """Mean host ms per plan of its parts (:data:`PLAN_PARTS`, then ``rest``: the plan's
+    time less theirs), over ``runs`` plans with the GPU idle."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    plan.parts.clear()
+    start = time.perf_counter()
+    for _ in range(runs):
+        plan()
+    total = (time.perf_counter() - start) * 1e3
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    parts = {name: plan.parts.get(name, 0.0) for name in PLAN_PARTS}
+    parts["rest"] = total - sum(parts.values())
+    return {name: round(ms / runs, 4) for name, ms in parts.items()}
+
+
 def _waits_for_gpu(fn, device, sleep_ms: float | None) -> bool | None:
     """Whether one call of ``fn`` queued behind a GPU sleep lasts more than half of it."""
     if sleep_ms is None:
@@ -227,7 +267,8 @@ def _syncs(fn, device) -> int | None:
 
 
 def measure(device: torch.device, scale: int = 1) -> list[dict]:
-    """A row per step and layout: plan_ms, plan_waits, layer_ms, gpu_ms, syncs."""
+    """A row per step and layout: plan_ms, plan_parts_ms, plan_waits, layer_ms, gpu_ms,
+    syncs."""
     out, sleep_ms = [], _sleep_ms(device)
     for step, exchange in STEPS:
         for layout, (plan, layer) in (
@@ -236,8 +277,10 @@ def measure(device: torch.device, scale: int = 1) -> list[dict]:
             if plan is None:
                 continue
             plan_ms = _host_ms(plan, device, busy=False)
+            parts = _plan_parts(plan, device)
             waits = _waits_for_gpu(plan, device, sleep_ms)
-            out.append({"step": step, "layout": layout, "plan_ms": plan_ms, "plan_waits": waits,
+            out.append({"step": step, "layout": layout, "plan_ms": plan_ms,
+                        "plan_parts_ms": parts, "plan_waits": waits,
                         "layer_ms": _host_ms(layer, device), "gpu_ms": _gpu_ms(layer, device),
                         "syncs": _syncs(layer, device)})
     return out

@@ -19,6 +19,10 @@ def test_every_step_plans_and_runs_and_attends_its_rows(reference_flashinfer):
         ("decode", "pcp2")]
     assert all(r["plan_ms"] > 0 and r["layer_ms"] > 0 and r["gpu_ms"] is None
                and r["plan_waits"] is None for r in rows)
+    for r in rows:  # the split and FlashInfer's plans timed apart, the rest the plugin's
+        parts = r["plan_parts_ms"]
+        assert list(parts) == ["split", "flashinfer", "rest"] and parts["split"] > 0
+        assert parts["flashinfer"] > 0 and parts["rest"] >= 0, (r["step"], r["layout"], parts)
     cpu = torch.device("cpu")
     for make in (lambda: host_time.pcp_layer("mixed", cpu, 64),
                  lambda: host_time.dcp_layer("mixed", "queries", cpu, 64),
