@@ -56,6 +56,8 @@ def _timed(fn, parts: dict, part: str):
         finally:
             parts[part] = parts.get(part, 0.0) + (time.perf_counter() - start) * 1e3
     return run
+
+
 GROUP = SimpleNamespace(  # rank 0 of WORLD: every rank's tensors are this rank's
     world_size=WORLD, rank_in_group=0,
     all_gather=lambda x, dim=0: torch.cat([x] * WORLD, dim=dim),
