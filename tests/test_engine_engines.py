@@ -117,3 +117,18 @@ def test_layouts_that_take_the_ragged_kernel_on_fresh_steps():
     assert layouts.takes_ragged("pcp2") and layouts.takes_ragged("tp2-pcp2")
     assert not any(map(layouts.takes_ragged, ("pcp1", "pcp2-paged", "pcp2-fp8",
                                                "pcp2-dcp2-i8", "tp2-dcp2-i8")))
+
+
+def test_the_agreement_case_decodes_a_greedy_and_a_seeded_request_together():
+    import worker
+
+    (case,) = cases.feature_cases("agreement", 32824, 151936)
+    greedy, seeded = worker.feature_params(case, max_tokens=32)
+    assert len(case["prompts"]) == 2 and case["kind"] == "agreement"
+    assert (greedy.temperature, greedy.max_tokens) == (0.0, cases.AGREEMENT_DECODE_TOKENS)
+    assert (seeded.temperature, seeded.seed, seeded.max_tokens) == (
+        0.8, 4321, cases.AGREEMENT_DECODE_TOKENS)
+    assert greedy.ignore_eos and seeded.ignore_eos and greedy.logprobs == seeded.logprobs == 5
+    (burst,) = [c for c in cases.feature_cases("same-step", 8152, 49152) if c["case"] == "burst"]
+    params = worker.feature_params(burst, max_tokens=32)  # one sampling for every prompt
+    assert len(params) == len(burst["prompts"]) and {p.max_tokens for p in params} == {32}

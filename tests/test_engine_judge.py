@@ -142,3 +142,18 @@ def test_the_fresh_steps_kernel_is_the_layouts():
     assert judge.ragged_steps_as_expected(unsplit, True)  # nothing split: nothing to take
     assert judge.ragged_steps_as_expected({"step_counts": None}, True) is None
     assert judge.ragged_steps_as_expected({"step_counts": [{"split_steps": 3}]}, True) is None
+
+
+def test_agreement_needs_both_requests_decoded_and_every_rank_checking_each_step():
+    outputs = [_out([5] * 256), _out([6] * 256)]
+    run = {"returncode": 0, "sampled_token_checks": [300, 300],
+           "feature_results": [{"case": "agreement", "outputs": outputs}]}
+    assert judge.agreement_row(run)["passed"]
+    stopped = {**run, "returncode": 1, "errors": ["RuntimeError: sampled tokens differ"]}
+    short = {**run, "feature_results": [{"case": "agreement", "outputs": [
+        outputs[0], _out([6] * 40)]}]}
+    few_checks = {**run, "sampled_token_checks": [300, 100]}
+    one_rank = {**run, "sampled_token_checks": [300]}
+    assert not any(judge.agreement_row(r)["passed"] for r in (
+        stopped, short, few_checks, one_rank, {"returncode": 0}))
+    assert judge.agreement_row(stopped)["errors"] == ["RuntimeError: sampled tokens differ"]

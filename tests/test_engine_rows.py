@@ -10,13 +10,10 @@ sys.path[:0] = [os.path.join(ROOT, "tests", "engine"), ROOT]
 import rows  # noqa: E402
 from benchmarks import report  # noqa: E402
 
-FILES = ("exactness-pcp.json", "exactness-dcp.json", "exactness-features.json",
-         "exactness-teacher.json", "memory.json", "repeatability.json")
+RESULTS = os.path.join(ROOT, "tests", "gpu", "results")
+FILES = tuple(n for n in rows.FILES if os.path.exists(os.path.join(RESULTS, n)))  # committed
 TABLES = dict(zip(FILES, (report.exactness_table, report.exactness_table,
                          report.features_table, report.teacher_table)))
-
-
-RESULTS = os.path.join(ROOT, "tests", "gpu", "results")
 
 
 def _load(name, results_dir=RESULTS):
@@ -95,3 +92,19 @@ def test_repeated_engines_make_a_file_that_cuts_back_into_their_rows(tmp_path):
     assert doc["summary"] == {"engines": 2, "repeatable": False}
     assert {r["key"][2]: (r["compared"], r["differ"]) for r in rows.committed_rows(
         str(tmp_path / "out"))} == judged
+
+
+def test_agreement_rows_make_a_file_that_cuts_back_into_them(tmp_path):
+    (tmp_path / "rows").mkdir()
+    judged = {"tp2-pcp2": ([256, 256], [1100, 1100], True, []),
+              "tp4-pcp2-dcp2-i8": ([256, 40], [300] * 8, False, ["RuntimeError: step 41"])}
+    for config, fields in judged.items():
+        row = {"kind": "agreement", "key": ["m", "chunked", config], "session": "s",
+               "command": "c", **dict(zip(rows.AGREEMENT_FIELDS, fields)), "runs": [
+                   {"model": "m", "variant": "chunked", "config": config, "git_rev": "aaa"}]}
+        (tmp_path / "rows" / f"{config}.json").write_text(json.dumps(row))
+    rows.write_results(str(tmp_path), str(tmp_path / "out"), "s", host={})
+    doc = _load("sampled-agreement.json", tmp_path / "out")
+    assert doc["summary"] == {"engines": 2, "agree": False}
+    assert {r["key"][2]: tuple(r[f] for f in rows.AGREEMENT_FIELDS)
+            for r in rows.committed_rows(str(tmp_path / "out"))} == judged

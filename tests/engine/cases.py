@@ -20,6 +20,9 @@ JSON_SCHEMA = {"type": "object", "properties": {
 # preemption: prompts that fill the pool but for the slack, outputs that overflow it
 PREEMPT_REQUESTS, PREEMPT_MAX_TOKENS, PREEMPT_SLACK_TOKENS = 6, 128, 400
 BLOCK_TOKENS = 16  # vLLM's block; a DCP scheduler block spans BLOCK_TOKENS x DCP tokens
+# "agreement": a greedy and a seeded request decoding side by side for this many steps
+AGREEMENT_DECODE_TOKENS = 256
+AGREEMENT_SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 4321}
 
 
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
@@ -66,9 +69,16 @@ def feature_cases(group: str, max_prompt_len: int, vocab_size: int,
     """The cases of a group. "same-step": seeded ``n = 4`` sampling (compared exactly), and
     greedy requests sharing a long prefix sent together (later ones hit blocks the first
     writes in the same step). "features": those, each odd and even length alone then in
-    one batch, prompt_logprobs, penalties, a JSON schema (with a tokenizer). "preemption"."""
+    one batch, prompt_logprobs, penalties, a JSON schema (with a tokenizer). "preemption".
+    "agreement": a greedy and a seeded request in one batch, each its own sampling, decoding
+    AGREEMENT_DECODE_TOKENS steps (the steps whose sampled tokens every PCP rank compares)."""
     if group == "preemption":
         return [preemption_case(vocab_size)]
+    if group == "agreement":
+        return [{"case": "agreement", "kind": "agreement",
+                 "prompts": _prompts((3000, 3001), vocab_size, max_prompt_len, 900),
+                 "sampling": [{}, dict(AGREEMENT_SEEDED)],
+                 "max_tokens": AGREEMENT_DECODE_TOKENS}]
 
     def case(name, kind, lengths, seed, **fields):
         return {"case": name, "kind": kind,

@@ -1,11 +1,12 @@
 """How an engine's outputs are judged against one GPU's (pure): greedy and feature cases,
-refusals at start-up, the teacher-forced measure, each rank's memory."""
+refusals at start-up, the teacher-forced measure, each rank's memory, the PCP ranks'
+agreement on sampled tokens."""
 import json
 import re
 
 import numpy as np
 
-from cases import JSON_SCHEMA
+from cases import AGREEMENT_DECODE_TOKENS, JSON_SCHEMA
 
 
 def verdict(values) -> bool | None:
@@ -157,6 +158,22 @@ def compare_features(model: str, label: str, run: dict, base: dict) -> tuple[lis
             passed = passed and all(v or not b for v, b in zip(valid, base_valid))
         case["passed"] = bool(passed)
     return cases, skipped
+
+
+# --- the PCP ranks' agreement on sampled tokens (VLLM_PCP_CHECK_SAMPLED_TOKENS)
+def agreement_row(run: dict) -> dict:
+    """The "agreement" case of ``run``: each request's decode length, the steps each rank
+    checked (an engine whose ranks sampled differently stops at that step, with an error),
+    and whether a greedy and a seeded request decoded AGREEMENT_DECODE_TOKENS steps side by
+    side with every step checked on every rank."""
+    case = next((r for r in run.get("feature_results") or [] if r["case"] == "agreement"), None)
+    decoded = [len(o["token_ids"]) for o in case["outputs"]] if case else []
+    checks = run.get("sampled_token_checks") or []
+    passed = (not run.get("returncode") and len(decoded) == 2
+              and min(decoded) >= AGREEMENT_DECODE_TOKENS and len(checks) > 1
+              and min(checks) >= AGREEMENT_DECODE_TOKENS)
+    return {"decode_tokens": decoded, "sampled_token_checks": checks, "passed": passed,
+            "errors": (run.get("errors") or [])[:3]}
 
 
 # --- refusals at start-up, read from the worker's log

@@ -12,7 +12,9 @@ import judge
 import results
 
 FILES = ("exactness-pcp.json", "exactness-dcp.json", "exactness-features.json",
-         "exactness-teacher.json", "memory.json", "repeatability.json")
+         "exactness-teacher.json", "memory.json", "repeatability.json",
+         "sampled-agreement.json")
+AGREEMENT_FIELDS = ("decode_tokens", "sampled_token_checks", "passed", "errors")
 
 
 def meta_extra(rows: list[dict]) -> dict:
@@ -107,6 +109,14 @@ def repeatability(rows: list[dict]) -> dict:
         bool(r["cases"]) and not r["differ"] for r in runs)}, "runs": runs}
 
 
+def agreement(rows: list[dict]) -> dict:
+    """Each engine's agreement case: decode lengths, steps checked per rank, the verdict."""
+    runs = [{"model": m, "variant": v, "config": c, **{f: r.get(f) for f in AGREEMENT_FIELDS}}
+            for r in rows for m, v, c in [r["key"]]]
+    return {"summary": {"engines": len(runs),
+                        "agree": judge.verdict(r["passed"] for r in runs)}, "runs": runs}
+
+
 def assemble(rows: list[dict]) -> dict[str, tuple[list[dict], dict]]:
     """``{file name: (the rows it holds, its payload without meta)}`` of the files fed."""
     def kind(*kinds):
@@ -121,7 +131,8 @@ def assemble(rows: list[dict]) -> dict[str, tuple[list[dict], dict]]:
         "exactness-features.json": (kind("features", "refusal"), [], features),
         "exactness-teacher.json": (kind("teacher"), floors, lambda r: teacher(r, floors)),
         "memory.json": (kind("memory"), [], memory),
-        "repeatability.json": (kind("repeat"), [], repeatability)}
+        "repeatability.json": (kind("repeat"), [], repeatability),
+        "sampled-agreement.json": (kind("agreement"), [], agreement)}
     return {name: (chosen + extra, build(chosen))
             for name, (chosen, extra, build) in files.items() if chosen}
 
@@ -168,13 +179,15 @@ def _cut_teacher(doc: dict, add) -> None:
 
 def _cut(name: str, doc: dict, add) -> None:
     """``add(kind, key, base, **fields)`` for each engine's part of the file ``name``."""
-    if name in ("memory.json", "repeatability.json"):
+    if name in ("memory.json", "repeatability.json", "sampled-agreement.json"):
         for r in doc["runs"]:
             key = (r["model"], r["variant"], r["config"])
             if name == "memory.json":
                 add("memory", key, ranks=r["ranks"])
-            else:
+            elif name == "repeatability.json":
                 add("repeat", key, compared=r["cases"], differ=r["differ"])
+            else:
+                add("agreement", key, **{f: r.get(f) for f in AGREEMENT_FIELDS})
     elif name == "exactness-teacher.json":
         _cut_teacher(doc, add)
     elif name == "exactness-features.json":

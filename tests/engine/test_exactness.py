@@ -35,13 +35,13 @@ JOBS = {  # (model, variant, layout) -> the case groups of its engine
     **{k: v for m in (R, S, M, E) for k, v in _each(m, "pcp1 pcp1-graphs pcp1-flash-attn").items()},
     **_each(E, "tp2"),
     # several ranks
-    **_each(R, "pcp2 pcp2-paged pcp2-dcp2-i8 pcp4 tp2-pcp2", F),
+    **_each(R, "pcp2 pcp2-paged pcp2-dcp2-i8 pcp4", F), **_each(R, "tp2-pcp2", F + ",agreement"),
     **_each(R, "tp2-pcp2-dcp2-i1 pcp4-dcp4-i8 pcp8 pcp2-graphs pcp2-dcp2-i8-graphs "
                "pcp2-ray pcp2-dcp2-i1 pcp2-dcp2-i16"),
     **_each(R, "pcp2 pcp2-dcp2-i8 pcp4", variant="unchunked"),
     # the test plan of vLLM's GQA FlashInfer PCP pull request (36 layers), and the same 8 ranks
     # on the 4-layer shape, which one GPU holding every rank can finish
-    **_each(R + "-full", "tp4-pcp2-dcp2-i8"), **_each(R, "tp4-pcp2-dcp2-i8"),
+    **_each(R + "-full", "tp4-pcp2-dcp2-i8"), **_each(R, "tp4-pcp2-dcp2-i8", "standard,agreement"),
     **_each(S, "pcp2 pcp2-dcp2-i1 pcp4", F), **_each(S, "pcp2-dcp2-i16 pcp4-dcp4-i1 pcp8"),
     **_each(S, "pcp2", variant="unchunked"),
     **_each(M, "pcp2 tp2-dcp2-i8 tp2-pcp2 tp2-pcp2-dcp2-i1"),
@@ -149,7 +149,8 @@ def test_teacher(key, engine, record):
 
 
 @pytest.mark.parametrize("key", _params(
-    (k for k in JOBS if set(JOBS[k].split(",")) - {"standard"} and layouts.baseline(k[2])),
+    (k for k in JOBS if set(JOBS[k].split(",")) - {"standard", "agreement"}
+     and layouts.baseline(k[2])),
     moe_xfail="vLLM's expert sharding rounds otherwise (as -tp 2): not exact"))
 def test_features(key, engine, record):
     """Each feature case by the top-5 rule and its kind's (seeded sampling: where exact)."""
@@ -157,6 +158,17 @@ def test_features(key, engine, record):
     record("features", key, runs, cases=cases, not_compared=skipped)
     tolerated = set() if key[2] in EXACT_SAMPLING else {"sampled_n4"}
     assert not set(_failures(cases)) - tolerated, _failures(cases)
+
+
+@pytest.mark.parametrize("key", _params(k for k in JOBS if "agreement" in JOBS[k].split(",")))
+def test_sampled_tokens_agree(key, engine, record):
+    """-tp with -pcp: a greedy and a seeded request decode side by side for 256 steps, and
+    every step's sampled tokens are equal on all PCP ranks (the check mode stops the engine
+    at the first step where they differ)."""
+    entry = engine(key)
+    row = judge.agreement_row(entry)
+    record("agreement", key, [entry], **row)
+    assert row["passed"], row
 
 
 @pytest.mark.parametrize("key", _params(REPEATED))

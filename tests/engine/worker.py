@@ -65,24 +65,34 @@ def run_case(llm, case: dict, params) -> dict:
                   outputs=[record(o.outputs[0]) for o in outs])
 
 
-def run_feature_case(llm, case: dict, max_tokens: int) -> dict:
-    """One generate call (greedy, 5 logprobs, ``max_tokens`` whatever the model emits, then
-    the case's ``sampling``); the choices by index."""
+def feature_params(case: dict, max_tokens: int) -> list:
+    """A SamplingParams per prompt: greedy, 5 logprobs, ``max_tokens`` (the case's own if it
+    has one) whatever the model emits, then the case's ``sampling`` (a list: one per prompt)."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
+    sampling = case.get("sampling", {})
+    params = []
+    for own in sampling if isinstance(sampling, list) else [sampling] * len(case["prompts"]):
+        fields = {"temperature": 0.0, "max_tokens": case.get("max_tokens", max_tokens),
+                  "logprobs": 5, "ignore_eos": True, "detokenize": False, **own}
+        if "structured_outputs" in fields:
+            fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+        params.append(SamplingParams(**fields))
+    return params
+
+
+def run_feature_case(llm, case: dict, max_tokens: int) -> dict:
+    """One generate call of the case's prompts (:func:`feature_params`); the choices by
+    index."""
     def preemptions() -> int:
         return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
-    fields = {"temperature": 0.0, "max_tokens": max_tokens, "logprobs": 5, "ignore_eos": True,
-              "detokenize": False, **case.get("sampling", {})}
-    if "structured_outputs" in fields:
-        fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
-    params = SamplingParams(**fields)
+    params = feature_params(case, max_tokens)
     start, before = time.perf_counter(), preemptions()
     outs = send(llm, "batch", case["prompts"], params)
     return _timed(case, start, kind=case["kind"], prompt_lens=[len(p) for p in case["prompts"]],
-                  choices=params.n,
+                  choices=params[0].n,
                   outputs=[record(choice, prompt, out.prompt_logprobs, text=True)
                            for prompt, out in zip(case["prompts"], outs)
                            for choice in sorted(out.outputs, key=lambda c: c.index)],
