@@ -132,3 +132,19 @@ def test_the_agreement_case_decodes_a_greedy_and_a_seeded_request_together():
     (burst,) = [c for c in cases.feature_cases("same-step", 8152, 49152) if c["case"] == "burst"]
     params = worker.feature_params(burst, max_tokens=32)  # one sampling for every prompt
     assert len(params) == len(burst["prompts"]) and {p.max_tokens for p in params} == {32}
+
+
+def test_a_budget_layout_leaves_the_kv_pool_to_vllms_profile_run():
+    import worker
+
+    hf = {"max_position_embeddings": 32768, "num_hidden_layers": 4, "num_key_value_heads": 2,
+          "hidden_size": 2048, "num_attention_heads": 16}
+    budget = worker.engine_kwargs("pcp2-budget", hf, "unchunked", 32, ["budget"], False)
+    fixed = worker.engine_kwargs("pcp2", hf, "unchunked", 32, ["standard"], False)
+    assert budget["gpu_memory_utilization"] == 0.9 and "kv_cache_memory_bytes" not in budget
+    assert fixed["gpu_memory_utilization"] == 0.05 and fixed["kv_cache_memory_bytes"] > 0
+    assert budget["max_num_batched_tokens"] == budget["max_model_len"]  # one step: the longest
+    longest, full = cases.feature_cases("budget", budget["max_model_len"] - 40, 151936)
+    assert [len(p) for p in longest["prompts"]] == [budget["max_model_len"] - 40]
+    assert sum(map(len, full["prompts"])) <= budget["max_num_batched_tokens"]
+    assert len(full["prompts"]) == 4

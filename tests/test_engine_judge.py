@@ -157,3 +157,23 @@ def test_agreement_needs_both_requests_decoded_and_every_rank_checking_each_step
     assert not any(judge.agreement_row(r)["passed"] for r in (
         stopped, short, few_checks, one_rank, {"returncode": 0}))
     assert judge.agreement_row(stopped)["errors"] == ["RuntimeError: sampled tokens differ"]
+
+
+def test_a_budget_engine_passes_only_with_every_case_run_and_every_rank_within_its_profile():
+    def rank(allocated, peak, profile=None):
+        return {"allocated_bytes": allocated * judge.GIB, "peak_allocated_bytes": peak * judge.GIB,
+                "profile_peak_bytes": profile and profile * judge.GIB,
+                "split_step_reserve_bytes": judge.GIB // 4}
+
+    ran = [{"case": "budget_longest", "outputs": [{}]},
+           {"case": "budget_full_step", "outputs": [{}] * 4}]
+    run = {"returncode": 0, "feature_results": ran, "memory": {
+        "at_start": [rank(10, 10, 2)] * 2, "phases": {"features": [rank(10, 11.5)] * 2}}}
+    assert judge.budget_row(run)["passed"]
+    over = {**run, "memory": {"at_start": run["memory"]["at_start"],
+                              "phases": {"features": [rank(10, 11.5), rank(10, 12.5)]}}}
+    oom = {"returncode": 1, "errors": ["torch.OutOfMemoryError: CUDA out of memory"],
+           "feature_results": ran[:1], "memory": run["memory"]}
+    assert [judge.budget_row(r)["passed"] for r in (over, oom, {"returncode": 0})] == [
+        False, False, False]
+    assert judge.budget_row(oom)["cases_run"] == {"budget_longest": 1}

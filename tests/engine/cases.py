@@ -71,18 +71,22 @@ def feature_cases(group: str, max_prompt_len: int, vocab_size: int,
     writes in the same step). "features": those, each odd and even length alone then in
     one batch, prompt_logprobs, penalties, a JSON schema (with a tokenizer). "preemption".
     "agreement": a greedy and a seeded request in one batch, each its own sampling, decoding
-    AGREEMENT_DECODE_TOKENS steps (the steps whose sampled tokens every PCP rank compares)."""
+    AGREEMENT_DECODE_TOKENS steps (the steps whose sampled tokens every PCP rank compares).
+    "budget": the longest prompt the engine takes, then four of a quarter of it at once."""
+    def case(name, kind, lengths, seed, **fields):
+        return {"case": name, "kind": kind,
+                "prompts": _prompts(lengths, vocab_size, max_prompt_len, seed), **fields}
+
     if group == "preemption":
         return [preemption_case(vocab_size)]
+    if group == "budget":  # the longest prompt alone, then a step full of four
+        return [case("budget_longest", "budget", (max_prompt_len,), 950),
+                case("budget_full_step", "budget", (max_prompt_len // 4,) * 4, 960)]
     if group == "agreement":
         return [{"case": "agreement", "kind": "agreement",
                  "prompts": _prompts((3000, 3001), vocab_size, max_prompt_len, 900),
                  "sampling": [{}, dict(AGREEMENT_SEEDED)],
                  "max_tokens": AGREEMENT_DECODE_TOKENS}]
-
-    def case(name, kind, lengths, seed, **fields):
-        return {"case": name, "kind": kind,
-                "prompts": _prompts(lengths, vocab_size, max_prompt_len, seed), **fields}
 
     prefix_len = min(6001, max_prompt_len // 2)
     prefix, room = random_prompt(prefix_len, vocab_size, 300), max_prompt_len - prefix_len

@@ -176,6 +176,19 @@ def agreement_row(run: dict) -> dict:
             "errors": (run.get("errors") or [])[:3]}
 
 
+# --- the memory budget: vLLM's own KV sizing, then the largest split steps
+def budget_row(run: dict) -> dict:
+    """A budget engine's cases and ranks: whether every case ran (no out-of-memory error
+    stops it) and every rank's split-step peak fits what vLLM's profile run held."""
+    want = {"budget_longest": 1, "budget_full_step": 4}
+    ran = {r["case"]: len(r["outputs"]) for r in run.get("feature_results") or []}
+    ranks = rank_rows(run) if run.get("memory") else []
+    passed = (not run.get("returncode") and all(ran.get(c) == n for c, n in want.items())
+              and bool(ranks) and all(r["fits"] is True for r in ranks))
+    return {"cases_run": ran, "ranks": ranks, "passed": passed,
+            "errors": (run.get("errors") or [])[:3]}
+
+
 # --- refusals at start-up, read from the worker's log
 ENGINE_START_MARK = "exactness-worker engine start at"  # printed with the time by worker.py
 REFUSAL_LIMIT_S = 120.0

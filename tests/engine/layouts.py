@@ -44,6 +44,9 @@ class Layout:
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype
     pool_tokens: int = 0  # a fixed KV pool of this many tokens per rank (0: the caller's)
     max_model_len: int = 0  # 0: what the caller's cases need
+    # > 0: no fixed pool; vLLM sizes the KV cache from its profile run at this share of each
+    # GPU (--gpu-memory-utilization), as a user would run it: needs a GPU per rank
+    gpu_memory_utilization: float = 0.0
 
     @property
     def v1_runner(self) -> bool:
@@ -114,6 +117,10 @@ LAYOUTS: dict[str, Layout] = {
 # fp8 KV caches against one GPU's fp8 (refused with -dcp: its path runs unquantized caches)
 LAYOUTS.update({f"{name}-fp8": _fp8(LAYOUTS[name])
                 for name in ("pcp1-v1", "pcp2", "pcp4", "pcp2-dcp2-i1")})
+# the memory budget: vLLM's own KV sizing at 0.9 of each GPU, split steps of the longest prompt
+LAYOUTS.update({f"{name}-budget": Layout(**{**LAYOUTS[name].__dict__,
+                                             "gpu_memory_utilization": 0.9})
+                for name in ("pcp2", "pcp2-dcp2-i1-queries", "pcp2-dcp2-i1-keys", "pcp4")})
 # preemption: the same scheduler pool everywhere
 LAYOUTS.update({f"{name}-preempt": _preempt(LAYOUTS[name])
                 for name in ("pcp1-v1", "pcp2", "pcp4", "pcp2-dcp2-i1", "pcp2-dcp2-i16")})

@@ -192,10 +192,12 @@ def engine_kwargs(layout: str, hf: dict, variant: str, max_tokens: int,
         kwargs["disable_log_stats"] = False  # the preemption count
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     token_bytes = hf["num_hidden_layers"] * 2 * hf["num_key_value_heads"] * head_dim * 2  # bf16
+    pool = ({"gpu_memory_utilization": lay.gpu_memory_utilization} if lay.gpu_memory_utilization
+            else {"gpu_memory_utilization": 0.05,
+                  "kv_cache_memory_bytes": lay.pool_tokens * token_bytes or KV_CACHE_BYTES})
     return {"skip_tokenizer_init": not tokenizer, "dtype": "bfloat16", "max_model_len": model_len,
             "max_num_batched_tokens": VARIANTS[variant] or model_len, "max_num_seqs": 16,
-            "gpu_memory_utilization": 0.05, "seed": 0, "enable_prefix_caching": True,
-            "kv_cache_memory_bytes": lay.pool_tokens * token_bytes or KV_CACHE_BYTES,
+            "seed": 0, "enable_prefix_caching": True, **pool,
             "enable_flashinfer_autotune": False, **kwargs}
 
 
