@@ -66,12 +66,13 @@ EXACT_SAMPLING = {"pcp2-paged", "pcp2-fp8"}
 REPEATED = [(R, "chunked", "pcp1-v1"), (R, "chunked", "pcp2")]  # run twice: bit for bit
 
 
-def _params(keys, moe_xfail: str | None = None) -> list:
+def _params(keys, moe_xfail: str | None = None, group: str | None = None) -> list:
     """One param per job key, its id ``MODEL-VARIANT-LAYOUT``, marked with its GPUs and an
     xdist group of its engine (``--dist loadgroup``: a job's tests on one worker, which runs
-    its engine once while the others run other engines)."""
+    its engine once while the others run other engines; ``group``: all on one worker, one
+    after another)."""
     return [pytest.param(k, id="-".join(k), marks=[
-        pytest.mark.gpus(layouts.gpus(k[2])), pytest.mark.xdist_group("-".join(k))] + (
+        pytest.mark.gpus(layouts.gpus(k[2])), pytest.mark.xdist_group(group or "-".join(k))] + (
         [pytest.mark.xfail(reason=moe_xfail)] if moe_xfail and k[0] in MOE else []))
         for k in keys]
 
@@ -193,10 +194,12 @@ def test_refusal(key, engine, record):
     assert case["passed"], (case["error"], case["seconds_to_failure"], case["timed_out"])
 
 
-@pytest.mark.parametrize("key", _params(k for k in JOBS if JOBS[k] == "budget"))
+@pytest.mark.parametrize("key", _params((k for k in JOBS if JOBS[k] == "budget"),
+                                        group="memory-budget"))
 def test_memory_budget(key, engine, record):
     """At --gpu-memory-utilization 0.9, vLLM sizing the KV cache: the longest prompt and a
-    full step run with no out-of-memory error, each rank's peak within what the profile held."""
+    full step run with no out-of-memory error, each rank's peak within what the profile held.
+    One engine at a time (each takes 0.9 of its GPUs): run beside no other engine."""
     if torch.cuda.device_count() < layouts.gpus(key[2]):
         pytest.skip("needs a GPU per rank: ranks sharing a GPU take a fixed KV pool")
     entry = engine(key)
