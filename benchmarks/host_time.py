@@ -191,15 +191,14 @@ def _slots(rows: int, table: torch.Tensor, device) -> torch.Tensor:
 SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time on an H200
 
 
-def _host_ms(fn, device, runs: int = RUNS, busy: bool = True) -> float:
-    """Mean host time of ``runs`` calls of ``fn``; ``busy``: queued behind a GPU sleep on a
-    GPU, so that no launch waits for the GPU (else with the GPU idle)."""
+def _host_ms(fn, device, runs: int = RUNS) -> float:
+    """Mean host time of ``runs`` calls of ``fn``, queued behind a GPU sleep on a GPU, so
+    that no launch waits for the GPU."""
     for _ in range(WARMUP):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-        if busy:
-            torch.cuda._sleep(SLEEP_CYCLES)
+        torch.cuda._sleep(SLEEP_CYCLES)
     start = time.perf_counter()
     for _ in range(runs):
         fn()
@@ -221,9 +220,11 @@ def _sleep_ms(device) -> float | None:
     return start.elapsed_time(end)
 
 
-def _plan_parts(plan, device, runs: int = RUNS) -> dict:
-    """Mean host ms per plan of its parts (:data:`PLAN_PARTS`, then ``rest``: the plan's
-    time less theirs), over ``runs`` plans with the GPU idle."""
+def _plan_ms(plan, device, runs: int = RUNS) -> tuple[float, dict]:
+    """Mean host ms of ``runs`` plans with the GPU idle, and of their parts
+    (:data:`PLAN_PARTS`, then ``rest``: the plan's time less theirs) in the same runs."""
+    for _ in range(WARMUP):
+        plan()
     if device.type == "cuda":
         torch.cuda.synchronize()
     plan.parts.clear()
@@ -235,7 +236,7 @@ def _plan_parts(plan, device, runs: int = RUNS) -> dict:
         torch.cuda.synchronize()
     parts = {name: plan.parts.get(name, 0.0) for name in PLAN_PARTS}
     parts["rest"] = total - sum(parts.values())
-    return {name: round(ms / runs, 4) for name, ms in parts.items()}
+    return round(total / runs, 4), {name: round(ms / runs, 4) for name, ms in parts.items()}
 
 
 def _waits_for_gpu(fn, device, sleep_ms: float | None) -> bool | None:
@@ -278,8 +279,7 @@ def measure(device: torch.device, scale: int = 1) -> list[dict]:
                 ("pcp2", pcp_layer(step, device, scale) if exchange == "keys" else (None, None))):
             if plan is None:
                 continue
-            plan_ms = _host_ms(plan, device, busy=False)
-            parts = _plan_parts(plan, device)
+            plan_ms, parts = _plan_ms(plan, device)
             waits = _waits_for_gpu(plan, device, sleep_ms)
             out.append({"step": step, "layout": layout, "plan_ms": plan_ms,
                         "plan_parts_ms": parts, "plan_waits": waits,

@@ -23,6 +23,8 @@ BLOCK_TOKENS = 16  # vLLM's block; a DCP scheduler block spans BLOCK_TOKENS x DC
 # "agreement": a greedy and a seeded request decoding side by side for this many steps
 AGREEMENT_DECODE_TOKENS = 256
 AGREEMENT_SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 4321}
+# "budget": each case and its prompts, together the longest prompt the engine takes
+BUDGET_PROMPTS = {"budget_longest": 1, "budget_full_step": 4}
 
 
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
@@ -80,8 +82,8 @@ def feature_cases(group: str, max_prompt_len: int, vocab_size: int,
     if group == "preemption":
         return [preemption_case(vocab_size)]
     if group == "budget":  # the longest prompt alone, then a step full of four
-        return [case("budget_longest", "budget", (max_prompt_len,), 950),
-                case("budget_full_step", "budget", (max_prompt_len // 4,) * 4, 960)]
+        return [case(name, "budget", (max_prompt_len // n,) * n, 950 + 10 * i)
+                for i, (name, n) in enumerate(BUDGET_PROMPTS.items())]
     if group == "agreement":
         return [{"case": "agreement", "kind": "agreement",
                  "prompts": _prompts((3000, 3001), vocab_size, max_prompt_len, 900),

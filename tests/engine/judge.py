@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from cases import AGREEMENT_DECODE_TOKENS, JSON_SCHEMA
+from cases import AGREEMENT_DECODE_TOKENS, BUDGET_PROMPTS, JSON_SCHEMA
 
 
 def verdict(values) -> bool | None:
@@ -180,10 +180,10 @@ def agreement_row(run: dict) -> dict:
 def budget_row(run: dict) -> dict:
     """A budget engine's cases and ranks: whether every case ran (no out-of-memory error
     stops it) and every rank's split-step peak fits what vLLM's profile run held."""
-    want = {"budget_longest": 1, "budget_full_step": 4}
     ran = {r["case"]: len(r["outputs"]) for r in run.get("feature_results") or []}
     ranks = rank_rows(run) if run.get("memory") else []
-    passed = (not run.get("returncode") and all(ran.get(c) == n for c, n in want.items())
+    passed = (not run.get("returncode")
+              and all(ran.get(c) == n for c, n in BUDGET_PROMPTS.items())
               and bool(ranks) and all(r["fits"] is True for r in ranks))
     return {"cases_run": ran, "ranks": ranks, "passed": passed,
             "errors": (run.get("errors") or [])[:3]}

@@ -205,8 +205,9 @@ def nvml_processes() -> list[tuple[int, int]]:
 
 def judge_soak(records: list[dict], samples: list[list], answers: dict, reference: dict) -> dict:
     """The soak's outcomes, TTFT and ITL (recorded, never judged); memory ([s, RSS, GPU MiB,
-    what the GPU figure measured] samples) grown since WARMUP_S (caches full by then), flat within max(FLAT_MIB,
-    FLAT_FRACTION of that baseline); the greedy texts unlike -pcp 1's; its goals."""
+    what the GPU figure measured] samples) grown since WARMUP_S (caches full by then), flat
+    within max(FLAT_MIB, FLAT_FRACTION of that baseline); the greedy texts unlike -pcp 1's;
+    its goals."""
     import numpy as np
 
     def pct(v: list) -> dict:
