@@ -3,6 +3,8 @@ soak's goals, gsm8k's tolerance, result files from parts."""
 import json
 from types import SimpleNamespace
 
+import pytest
+
 import serve
 
 
@@ -51,21 +53,55 @@ def test_the_dead_rank_is_named_by_vllms_worker_monitor():
     assert not any(serve.judge_dead_rank(late, "nothing here")["goals"].values())
 
 
+def _answer(ids=(5, 7), top=None, text="x") -> dict:
+    return {"text": text, "token_ids": list(ids),
+            "top_logprobs": top or [{str(t): -0.1} for t in ids]}
+
+
 def test_the_soak_is_scaled_down_on_shared_gpus_and_judged():
     shared = serve.soak_plan(2, 1, "30")
     assert serve.soak_plan(2, 2)["concurrency"] == 64 and "share" in shared["scaled_down"]
     assert (shared["concurrency"], shared["duration_s"]) == (16, 30.0)  # and it says so
     recs = [{"outcome": o, "ttft_s": 0.5, "itl_s": [.1, .3]} for o in ["done"] * 8 + ["cancelled"]]
-    steady, ref = [[0, 900, 1], [70, 4000, 1], [140, 4300, 1]], {"a": {"text": "x"}}
-    soak = serve.judge_soak(recs, steady, ref, ref)
+    steady, ref = [[0, 900, 1], [70, 4000, 1], [140, 4300, 1]], {"a": _answer()}
+    same = serve.judge_greedy_set(ref, ref, ref, dcp=1)
+    soak = serve.judge_soak(recs, steady, same)
     assert soak["outcomes"] == {"done": 8, "cancelled": 1, "error": 0, "hang": 0}
     assert soak["ttft_s"]["p50"] == 0.5 and soak["itl_s"]["p50"] == 0.2
     assert soak["memory"]["rss"]["growth_mib"] == 300.0 and all(soak["goals"].values())
     growing = [[0, 900, 1], [70, 4000, 1], [140, 4300, 6000]]  # GPU memory
-    assert not serve.judge_soak(recs, growing, ref, ref)["goals"]["memory_flat"]
-    hung = serve.judge_soak([*recs, {**recs[0], "outcome": "hang"}], steady, {"a": {}}, ref)
-    assert hung["greedy"]["mismatches"] == ["a"] and len(hung["error_samples"]) == 1
-    assert not any(hung["goals"][k] for k in ("no_hangs", "outputs_equal"))
+    assert not serve.judge_soak(recs, growing, same)["goals"]["memory_flat"]
+    lost = serve.judge_greedy_set({"a": {"error": "500"}}, ref, ref, dcp=1)
+    hung = serve.judge_soak([*recs, {**recs[0], "outcome": "hang"}], steady, lost)
+    assert hung["greedy"]["mismatches"] == hung["greedy"]["changed_by_load"] == ["a"]
+    assert len(hung["error_samples"]) == 1
+    assert not any(hung["goals"][k] for k in (
+        "no_hangs", "outputs_unchanged_by_load", "outputs_held_to_one_gpu"))
+
+
+def test_the_soaks_greedy_set_is_held_to_pcp1_by_the_layouts_rule_and_to_itself():
+    """At DCP = 1 the same text as -pcp 1; with -dcp a near tie may flip (the top-5 rule);
+    at every layout the set after the load is token for token the one before it."""
+    ref = {"a": _answer(top=[{"5": -0.1}, {"7": -0.2, "8": -0.3}])}
+    near_tie = {"a": _answer((5, 8), [{"5": -0.1}, {"8": -0.2, "7": -0.21}], text="y")}
+    far = {"a": _answer((5, 9), [{"5": -0.1}, {"9": -0.2}], text="z")}
+    dcp = serve.judge_greedy_set(near_tie, near_tie, ref, dcp=2)
+    assert dcp["mismatches"] == dcp["changed_by_load"] == [] and dcp["one_gpu_rule"] == "top-5 rule"
+    assert serve.judge_greedy_set(near_tie, near_tie, ref, dcp=1)["mismatches"] == ["a"]
+    assert serve.judge_greedy_set(far, far, ref, dcp=2)["mismatches"] == ["a"]
+    changed = serve.judge_greedy_set(near_tie, ref, ref, dcp=2)  # the load moved a token
+    assert changed["changed_by_load"] == ["a"] and not changed["mismatches"]
+    goals = serve.judge_soak([{"outcome": "done", "ttft_s": 1, "itl_s": [1]}], [[0, 1, 1]],
+                             changed)["goals"]
+    assert goals["outputs_held_to_one_gpu"] and not goals["outputs_unchanged_by_load"]
+
+
+def test_a_scored_completion_keeps_its_own_token_among_its_top_logprobs():
+    choice = {"text": " 20 kg", "logprobs": {
+        "tokens": ["token_id:220", "token_id:17"], "token_logprobs": [-0.5, -2.0],
+        "top_logprobs": [{"token_id:220": -0.5, "token_id:18": -1.0}, {"token_id:16": -0.1}]}}
+    assert serve.scored(choice) == {"text": " 20 kg", "token_ids": [220, 17], "top_logprobs": [
+        {"220": -0.5, "18": -1.0}, {"16": -0.1, "17": -2.0}]}
 
 
 def test_gsm8k_rows_and_result_files_from_parts(tmp_path, monkeypatch):
@@ -100,10 +136,10 @@ def test_the_soak_counts_only_the_servers_gpu_memory():
     mib, measure = serve.gpu_mib_of({100}, others, 90_000.4)  # NVML sees none of them
     assert mib == 90_000 and "whole GPUs" in measure
     recs = [{"outcome": "done", "ttft_s": 0.5, "itl_s": [.1]}]
-    ref = {"a": {"text": "x"}}
+    ref = {"a": _answer()}
     own = "the server's processes (NVML)"
     beside_growing = [[0, 900, 5120, own], [70, 900, 5120, own], [140, 901, 5121, own]]
-    soak = serve.judge_soak(recs, beside_growing, ref, ref)
+    soak = serve.judge_soak(recs, beside_growing, serve.judge_greedy_set(ref, ref, ref, dcp=1))
     assert soak["memory"]["gpu_measure"] == ["the server's processes (NVML)"]
     assert soak["memory"]["series"][-1] == [140, 901, 5121] and soak["goals"]["memory_flat"]
 
@@ -115,3 +151,14 @@ def test_vllm_gives_the_nvml_calls_the_soak_reads():
     for name in ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
                  "nvmlDeviceGetComputeRunningProcesses"):
         assert callable(getattr(nvml, name)), name
+
+
+def test_vllms_completion_request_takes_the_soaks_greedy_fields():
+    """The soak's greedy set asks for top-5 logprobs as token ids under a cache salt."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    req = CompletionRequest(model="m", prompt="p", max_tokens=4, temperature=0.0, logprobs=5,
+                            return_tokens_as_token_ids=True, cache_salt="before-load")
+    assert (req.logprobs, req.return_tokens_as_token_ids, req.cache_salt) == (5, True, "before-load")
+    with pytest.raises(ValueError):  # a salt vLLM would not key the prefix cache by
+        CompletionRequest(model="m", prompt="p", cache_salt="")

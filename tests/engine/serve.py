@@ -99,6 +99,25 @@ def greedy(server: Server, model: str, prompt, max_tokens: int = 64, **extra) ->
     return {"text": out["choices"][0]["text"]} if status == 200 else {"error": f"{status}: {out}"}
 
 
+def scored(choice: dict) -> dict:
+    """A completion choice's text, token ids and each token's top logprobs (its own among
+    them), from ``logprobs`` asked with ``return_tokens_as_token_ids``."""
+    lp, tid = choice["logprobs"], lambda t: t.removeprefix("token_id:")
+    return {"text": choice["text"], "token_ids": [int(tid(t)) for t in lp["tokens"]],
+            "top_logprobs": [{**{tid(k): v for k, v in (top or {}).items()}, tid(t): own}
+                             for t, own, top in zip(lp["tokens"], lp["token_logprobs"],
+                                                    lp["top_logprobs"])]}
+
+
+def greedy_scored(server: Server, model: str, prompt, salt: str, max_tokens: int = 64) -> dict:
+    """One greedy completion with its top-5 logprobs (:func:`scored`), or an error; ``salt``
+    (vLLM's ``cache_salt``) keeps any other salt's cached prefix from serving it."""
+    status, out = call(server, "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "logprobs": 5, "return_tokens_as_token_ids": True, "cache_salt": salt})
+    return scored(out["choices"][0]) if status == 200 else {"error": f"{status}: {out}"}
+
+
 def hang_up_mid_prefill(server: Server, model: str) -> int:
     """Long distinct prompts whose clients hang up mid-prefill: how many gave up."""
     def send(i: int) -> bool:
@@ -203,10 +222,31 @@ def nvml_processes() -> list[tuple[int, int]]:
         nvml.nvmlShutdown()
 
 
-def judge_soak(records: list[dict], samples: list[list], answers: dict, reference: dict) -> dict:
+def judge_greedy_set(after: dict, before: dict, reference: dict, dcp: int) -> dict:
+    """The soak's greedy set after the load: the same tokens as the same server's before it
+    (the load changed no state), and held to -pcp 1's ``reference``: the same text at DCP = 1,
+    vLLM's top-5 rule with -dcp (its merge of the shards' partial results rounds otherwise)."""
+    def one_gpu(name: str) -> bool:
+        ours, ref = after.get(name, {}), reference[name]
+        if "text" not in ours or "text" not in ref:
+            return False
+        if dcp == 1:
+            return ours["text"] == ref["text"]
+        return compare_outputs(*({"token_ids": r["token_ids"], "logprobs": r["top_logprobs"]}
+                                 for r in (ours, ref)))["passed"]
+
+    def unchanged(name: str) -> bool:
+        ours, earlier = after.get(name, {}), before.get(name, {})
+        return "token_ids" in ours and ours.get("token_ids") == earlier.get("token_ids")
+    return {"answers": after, "before_load": before, "one_gpu_rule": "same text" if dcp == 1
+            else "top-5 rule", "changed_by_load": [n for n in reference if not unchanged(n)],
+            "mismatches": [n for n in reference if not one_gpu(n)]}
+
+
+def judge_soak(records: list[dict], samples: list[list], greedy: dict) -> dict:
     """The soak's outcomes, TTFT and ITL (recorded, never judged); memory ([s, RSS, GPU MiB,
     what the GPU figure measured] samples) grown since WARMUP_S (caches full by then), flat
-    within max(FLAT_MIB, FLAT_FRACTION of that baseline); the greedy texts unlike -pcp 1's;
+    within max(FLAT_MIB, FLAT_FRACTION of that baseline); ``greedy`` (:func:`judge_greedy_set`);
     its goals."""
     import numpy as np
 
@@ -221,14 +261,16 @@ def judge_soak(records: list[dict], samples: list[list], answers: dict, referenc
         "baseline_mib": base[col], "growth_mib": round(samples[-1][col] - base[col], 1),
         "flat": samples[-1][col] - base[col] <= max(FLAT_MIB, FLAT_FRACTION * base[col])}
         for col, name in ((1, "rss"), (2, "gpu"))}}
-    mismatches = [name for name, ref in reference.items()
-                  if "text" not in ref or answers.get(name, {}).get("text") != ref["text"]]
+    held = bool(greedy["answers"]) and not greedy["mismatches"]
     return {"outcomes": count, "ttft_s": pct([r["ttft_s"] for r in records if r["ttft_s"]]),
             "itl_s": pct([gap for r in records for gap in r["itl_s"]]), "memory": memory,
             "error_samples": [r for r in records if r["outcome"] in ("error", "hang")][:10],
-            "greedy": {"answers": answers, "mismatches": mismatches}, "goals": {
+            "greedy": greedy, "goals": {
                 "no_errors": count["error"] == 0 and count["done"] > 0,
-                "no_hangs": count["hang"] == 0, "outputs_equal": bool(reference) and not mismatches,
+                "no_hangs": count["hang"] == 0,
+                "outputs_unchanged_by_load": bool(greedy["answers"])
+                and not greedy["changed_by_load"],
+                "outputs_held_to_one_gpu": held,
                 "memory_flat": memory["rss"]["flat"] and memory["gpu"]["flat"]}}
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import serve
-from layouts import gpus
+from layouts import LAYOUTS, gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")]
@@ -182,8 +182,8 @@ GREEDY_PROMPTS = {"question": serve.QUESTION, **{f"records-{n}": "\n".join(
     for n in (50, 200, 800)}}
 
 
-def greedy_set(server) -> dict:
-    return {name: serve.greedy(server, QWEN, p) for name, p in GREEDY_PROMPTS.items()}
+def greedy_set(server, salt: str = "soak") -> dict:
+    return {name: serve.greedy_scored(server, QWEN, p, salt) for name, p in GREEDY_PROMPTS.items()}
 
 
 async def stream(session, server, index: int, plan: dict) -> dict:
@@ -245,7 +245,8 @@ async def load(server, plan: dict, every_s: float = 5.0) -> tuple[list, list]:
 @pytest.mark.long
 @pytest.mark.parametrize("layout", layouts("pcp2", "pcp2-dcp2"))
 def test_soak(request, layout):
-    """Streaming load with hang-ups: no errors, -pcp 1's greedy texts after, memory flat."""
+    """Streaming load with hang-ups: no errors; the greedy set after it the same as before it
+    and held to -pcp 1's (the same text; the top-5 rule with -dcp); memory flat."""
     kv, plan = "--kv-cache-memory-bytes", serve.soak_plan(
         gpus(layout), torch.cuda.device_count(), os.environ.get("VLLM_PCP_SOAK_DURATION_S"))
     reference = serve.cached(request, "soak-reference", lambda: on_server(
@@ -253,9 +254,12 @@ def test_soak(request, layout):
     assert "error" not in reference, reference["error"]
 
     def soak(server) -> dict:
+        before = greedy_set(server, "before-load")  # salted apart: each set prefills afresh
         records, samples = asyncio.run(load(server, plan))
-        return {"plan": plan, "healthy_after_load": serve.healthy(server), **serve.judge_soak(
-            records, samples, greedy_set(server), {k: reference[k] for k in GREEDY_PROMPTS})}
+        greedy = serve.judge_greedy_set(greedy_set(server, "after-load"), before, {
+            k: reference[k] for k in GREEDY_PROMPTS}, LAYOUTS[layout].dcp)
+        return {"plan": plan, "healthy_after_load": serve.healthy(server),
+                **serve.judge_soak(records, samples, greedy)}
 
     run = serve.cached(request, f"serve-soak/{layout}", lambda: on_server(
         request, layout, QWEN, "soak", (*SOAK_FLAGS, kv, str(8 * GIB)), soak, SOAK_ENV))
