@@ -141,6 +141,12 @@ def soak_plan(ranks: int, host_gpus: int, duration_s: str | None = None) -> dict
     return {**plan, "duration_s": float(duration_s or plan["duration_s"])}
 
 
+def top5_rule(answer: dict, base: dict) -> dict:
+    """:func:`judge.compare_outputs` of two answers with ``token_ids`` and ``top_logprobs``."""
+    return compare_outputs(*({"token_ids": r["token_ids"], "logprobs": r["top_logprobs"]}
+                             for r in (answer, base)))
+
+
 def judge_chat(runs: list[dict]) -> dict:
     """Chat runs held to pcp1's: the goals (vLLM's top-5 rule, a 4xx, the same text after the
     bad request and after the hang-ups, all aborted), the same text, the largest logprob
@@ -148,8 +154,7 @@ def judge_chat(runs: list[dict]) -> dict:
     base = next((r for r in runs if r["layout"] == "pcp1"), {"error": "no pcp1 run"})
     if any("error" in r for r in [base, *runs]):
         return {"goals": {}}
-    held = [compare_outputs(*({"token_ids": r["token_ids"], "logprobs": r["top_logprobs"]}
-                              for r in (run, base))) for run in runs if run is not base]
+    held = [top5_rule(run, base) for run in runs if run is not base]
     return {"same_text": all(r["text"] == base["text"] for r in runs),
             "max_abs_logprob_diff": max((h["max_abs_logprob_diff"] for h in held), default=0.0),
             "goals": {"top5_rule": all(h["passed"] for h in held),
@@ -232,8 +237,7 @@ def judge_greedy_set(after: dict, before: dict, reference: dict, dcp: int) -> di
             return False
         if dcp == 1:
             return ours["text"] == ref["text"]
-        return compare_outputs(*({"token_ids": r["token_ids"], "logprobs": r["top_logprobs"]}
-                                 for r in (ours, ref)))["passed"]
+        return top5_rule(ours, ref)["passed"]
 
     def unchanged(name: str) -> bool:
         ours, earlier = after.get(name, {}), before.get(name, {})
