@@ -14,12 +14,15 @@ NCCL time is in the figures. Per step and layout:
                plugin's split (``build_pcp_metadata``, ``build_dcp_plan``); ``flashinfer``,
                FlashInfer's ``plan`` calls; ``rest``, the plugin's index work and its copies
                to the device
+    plan_top   the plan's functions with the most own host time (cProfile over RUNS plans,
+               GPU idle): ``[function, calls per plan, ms per plan]``
     plan_waits whether the plan waits for the GPU: queued behind a GPU sleep of about a
                second, its first call takes more than half of it (a plan that waits cannot
                run ahead of the step before it)
     layer_ms   host time of one layer: the K/V all-gather, the cache write and attention,
                launched while the GPU is kept busy, so no launch waits for it (mean of RUNS)
     gpu_ms     the same layer's GPU time (CUDA events), for scale
+    layer_top  the same for the layer, launched while the GPU is kept busy
     syncs      host-device synchronizations in one layer call (torch's sync debug mode)
 
 -pcp 2's layer is the plugin's K/V gather and write and the paged prefill and decode calls
@@ -239,6 +242,29 @@ def _plan_ms(plan, device, runs: int = RUNS) -> tuple[float, dict]:
     return round(total / runs, 4), {name: round(ms / runs, 4) for name, ms in parts.items()}
 
 
+def _top(fn, device, busy: bool, runs: int = RUNS, top: int = 12) -> list:
+    """The functions with the most own host time over ``runs`` calls of ``fn`` (cProfile;
+    behind a GPU sleep if ``busy``): ``[[function, calls per run, ms per run], ...]``."""
+    import cProfile
+    import pstats
+
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(SLEEP_CYCLES)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(runs):
+        fn()
+    profile.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    stats = sorted(pstats.Stats(profile).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[f"{os.path.basename(path)}:{line}({name})", round(calls / runs, 2),
+             round(own * 1e3 / runs, 4)] for (path, line, name), (_, calls, own, _, _) in stats]
+
+
 def _waits_for_gpu(fn, device, sleep_ms: float | None) -> bool | None:
     """Whether one call of ``fn`` queued behind a GPU sleep lasts more than half of it."""
     if sleep_ms is None:
@@ -270,8 +296,8 @@ def _syncs(fn, device) -> int | None:
 
 
 def measure(device: torch.device, scale: int = 1) -> list[dict]:
-    """A row per step and layout: plan_ms, plan_parts_ms, plan_waits, layer_ms, gpu_ms,
-    syncs."""
+    """A row per step and layout: plan_ms, plan_parts_ms, plan_top, plan_waits, layer_ms,
+    layer_top, gpu_ms, syncs."""
     out, sleep_ms = [], _sleep_ms(device)
     for step, exchange in STEPS:
         for layout, (plan, layer) in (
@@ -282,9 +308,10 @@ def measure(device: torch.device, scale: int = 1) -> list[dict]:
             plan_ms, parts = _plan_ms(plan, device)
             waits = _waits_for_gpu(plan, device, sleep_ms)
             out.append({"step": step, "layout": layout, "plan_ms": plan_ms,
-                        "plan_parts_ms": parts, "plan_waits": waits,
-                        "layer_ms": _host_ms(layer, device), "gpu_ms": _gpu_ms(layer, device),
-                        "syncs": _syncs(layer, device)})
+                        "plan_parts_ms": parts, "plan_top": _top(plan, device, busy=False),
+                        "plan_waits": waits, "layer_ms": _host_ms(layer, device),
+                        "layer_top": _top(layer, device, busy=True),
+                        "gpu_ms": _gpu_ms(layer, device), "syncs": _syncs(layer, device)})
     return out
 
 

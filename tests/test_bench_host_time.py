@@ -23,6 +23,11 @@ def test_every_step_plans_and_runs_and_attends_its_rows(reference_flashinfer):
         parts = r["plan_parts_ms"]
         assert list(parts) == ["split", "flashinfer", "rest"] and parts["split"] > 0
         assert parts["flashinfer"] > 0 and parts["rest"] >= 0, (r["step"], r["layout"], parts)
+    for r in rows:  # the plan's and the layer's own host time by function, most first
+        for top in (r["plan_top"], r["layer_top"]):
+            assert 0 < len(top) <= 12 and all(calls > 0 for _, calls, _ in top)
+            assert [ms for *_, ms in top] == sorted((ms for *_, ms in top), reverse=True)
+        assert any("plan" in where for where, *_ in r["plan_top"]), r["plan_top"]
     cpu = torch.device("cpu")
     for make in (lambda: host_time.pcp_layer("mixed", cpu, 64),
                  lambda: host_time.dcp_layer("mixed", "queries", cpu, 64),

@@ -111,6 +111,7 @@ def test_gsm8k_rows_and_result_files_from_parts(tmp_path, monkeypatch):
     assert rows[0] == {"config": "pcp1", "questions": 300, "strict": 13.0, "flexible": 15.0}
     assert rows[1]["config"] == "pcp2" and rows[1]["delta_strict"] == 0.33
     assert rows[1]["within_tolerance"] and not rows[2]["within_tolerance"]
+    assert "paired" not in rows[1]  # runs that logged no answers
     options = {"--engine-work-dir": str(tmp_path / "work"), "--results-dir": str(tmp_path / "out")}
     request = SimpleNamespace(config=SimpleNamespace(getoption=options.get))
     monkeypatch.setattr(serve.results, "meta", lambda command=None, **kw: {"git_rev": "abc", **kw})
@@ -125,6 +126,30 @@ def test_gsm8k_rows_and_result_files_from_parts(tmp_path, monkeypatch):
     assert out["goals"] == {"pcp1": {"g": True}, "pcp2": {"g": False}}
     assert out["all_goals_met"] is False and len(out["runs"]) == 2
     assert not serve.goals_file([{"layout": "x", "goals": {}}])["all_goals_met"]  # an error
+
+
+def test_gsm8k_rows_count_the_questions_that_flipped():
+    """lm-eval's samples give each run's right answers; the rows count the flips between
+    -pcp 1 and a layout and test them (sign test) beside the two scores."""
+    samples = [{"doc_id": d, "filter": f, "exact_match": float(d in right)}
+               for f, right in (("strict-match", {0, 1, 2}), ("flexible-extract", {0, 1, 2, 3}))
+               for d in range(10)]
+    assert serve.correct_questions(samples) == {"strict": [0, 1, 2], "flexible": [0, 1, 2, 3]}
+    runs = [{"layout": n, "exact_match_strict": len(c["strict"]) / 10,
+             "exact_match_flexible": len(c["flexible"]) / 10, "correct": c,
+             "lm_eval_results": {"sample_len": 10}} for n, c in (
+        ("pcp1", {"strict": [0, 1, 2], "flexible": [0, 1, 2, 3]}),
+        ("pcp2-split-all", {"strict": [1, 2, 5], "flexible": [0, 1, 2, 3]}))]
+    row = serve.gsm8k_rows(runs)["rows"][1]
+    assert row["delta_strict"] == 0 and row["within_tolerance"]
+    assert row["paired"]["strict"] == {"right_to_wrong": 1, "wrong_to_right": 1, "same": 8,
+                                       "p_value": 1.0}
+    assert row["paired"]["flexible"] == {"right_to_wrong": 0, "wrong_to_right": 0, "same": 10,
+                                         "p_value": 1.0}
+    # 10 flips all one way: p = 2 / 2**10
+    assert serve.paired_changes(list(range(10)), [], 20) == {
+        "right_to_wrong": 10, "wrong_to_right": 0, "same": 10, "p_value": 0.002}
+    assert serve.paired_changes([0, 1, 2], [0, 3], 5)["p_value"] == 1.0  # 2 against 1
 
 
 def test_the_soak_counts_only_the_servers_gpu_memory():

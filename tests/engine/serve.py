@@ -278,18 +278,48 @@ def judge_soak(records: list[dict], samples: list[list], greedy: dict) -> dict:
                 "memory_flat": memory["rss"]["flat"] and memory["gpu"]["flat"]}}
 
 
+GSM8K_FILTERS = {"strict": "strict-match", "flexible": "flexible-extract"}
+
+
+def correct_questions(samples: list[dict]) -> dict:
+    """The doc ids of the questions answered right, per filter, from lm-eval's samples."""
+    return {name: sorted(s["doc_id"] for s in samples if s.get("filter") == key
+                         and s.get("exact_match")) for name, key in GSM8K_FILTERS.items()}
+
+
+def paired_changes(base: list[int], other: list[int], questions: int) -> dict:
+    """How many questions flipped between two runs of the same questions, and the two-sided
+    exact sign test's p-value of those flips (McNemar's test): the flips, not the two
+    scores, say whether a layout answers differently."""
+    import math
+
+    base, other = set(base), set(other)
+    lost, gained = len(base - other), len(other - base)
+    flips, fewer = lost + gained, min(lost, gained)
+    tail = sum(math.comb(flips, k) for k in range(fewer + 1)) / 2 ** flips if flips else 1.0
+    return {"right_to_wrong": lost, "wrong_to_right": gained,
+            "same": questions - flips, "p_value": round(min(1.0, 2 * tail), 4)}
+
+
 def gsm8k_rows(runs: list[dict], baseline: str = "pcp1") -> dict:
-    """gsm8k.json's rows: exact match in points and each one's distance from ``baseline``."""
+    """gsm8k.json's rows: exact match in points, each one's distance from ``baseline`` and,
+    where both runs logged their answers, the questions that flipped (:func:`paired_changes`)."""
     rows = [{"config": r["layout"].removesuffix("-split-all"),
              "questions": r["lm_eval_results"].get("sample_len"),
-             **{k: round(100 * r[f"exact_match_{k}"], 2) for k in ("strict", "flexible")}}
+             **{k: round(100 * r[f"exact_match_{k}"], 2) for k in GSM8K_FILTERS}}
             for r in runs if "error" not in r]
+    correct = {row["config"]: r.get("correct") for row, r in
+               zip(rows, (r for r in runs if "error" not in r))}
     base = next((r for r in rows if r["config"] == baseline), None)
     for row in rows if base else []:
         if row is not base:
-            delta = {f"delta_{k}": round(row[k] - base[k], 2) for k in ("strict", "flexible")}
+            delta = {f"delta_{k}": round(row[k] - base[k], 2) for k in GSM8K_FILTERS}
             tolerated = max(map(abs, delta.values())) <= GSM8K_TOLERANCE_POINTS
             row.update(delta, within_tolerance=tolerated)
+            mine, theirs = correct[row["config"]], correct[baseline]
+            if mine and theirs and row["questions"] == base["questions"]:
+                row["paired"] = {k: paired_changes(theirs[k], mine[k], row["questions"])
+                                 for k in GSM8K_FILTERS}
     return {"tolerance_points": GSM8K_TOLERANCE_POINTS, "rows": rows}
 
 

@@ -281,7 +281,8 @@ def gsm8k(server) -> dict:
                    f"tokenizer={QWEN}", limit=int(GSM8K_LIMIT) if GSM8K_LIMIT else None)
     res = out["results"]["gsm8k_local"]
     return {"exact_match_strict": res["exact_match,strict-match"],
-            "exact_match_flexible": res["exact_match,flexible-extract"], "lm_eval_results": res}
+            "exact_match_flexible": res["exact_match,flexible-extract"], "lm_eval_results": res,
+            "correct": serve.correct_questions(out.get("samples", {}).get("gsm8k_local", []))}
 
 
 @pytest.mark.parametrize("layout", layouts("pcp1", "pcp2-split-all", "pcp2-dcp2-split-all",
