@@ -85,10 +85,17 @@ def gsm8k_table(doc: dict) -> str:
     order = {config: i for i, config in enumerate(LABELS)}
     rows = sorted(doc["rows"], key=lambda r: (order.get(r["config"], len(order)), r["config"]))
     return _table([[_label(r["config"]), f"{r['strict']:.2f}", f"{r['flexible']:.2f}",
-                    f"{r.get('delta_strict', 0.0):+.2f}", f"{r.get('delta_flexible', 0.0):+.2f}"]
-                   for r in rows],
+                    f"{r.get('delta_strict', 0.0):+.2f}", f"{r.get('delta_flexible', 0.0):+.2f}",
+                    _flips(r.get("paired", {}).get("strict"))] for r in rows],
                   ["configuration", "strict (%)", "flexible (%)", "strict vs 1 GPU",
-                   "flexible vs 1 GPU"])
+                   "flexible vs 1 GPU", "strict: lost / gained (p)"])
+
+
+def _flips(paired: dict | None) -> str:
+    """Questions one GPU got right and the layout wrong, and back, with the sign test's p."""
+    if not paired:
+        return "-"
+    return f"{paired['right_to_wrong']} / {paired['wrong_to_right']} (p {paired['p_value']:.2f})"
 
 
 def exactness_table(doc: dict) -> str:
