@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import os
 import re
 import shlex
@@ -291,8 +292,6 @@ def paired_changes(base: list[int], other: list[int], questions: int) -> dict:
     """How many questions flipped between two runs of the same questions, and the two-sided
     exact sign test's p-value of those flips (McNemar's test): the flips, not the two
     scores, say whether a layout answers differently."""
-    import math
-
     base, other = set(base), set(other)
     lost, gained = len(base - other), len(other - base)
     flips, fewer = lost + gained, min(lost, gained)
