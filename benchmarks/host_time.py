@@ -30,6 +30,7 @@ vLLM's FlashInfer forward makes for its rows; vLLM's own Python around them is n
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import statistics
@@ -194,20 +195,29 @@ def _slots(rows: int, table: torch.Tensor, device) -> torch.Tensor:
 SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time on an H200
 
 
+@contextlib.contextmanager
+def _gpu_queue(device, busy: bool):
+    """On a GPU: the GPU idle, then (``busy``) a GPU sleep queued, so that no launch inside
+    waits for the GPU; synchronized again after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(SLEEP_CYCLES)
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _host_ms(fn, device, runs: int = RUNS) -> float:
     """Mean host time of ``runs`` calls of ``fn``, queued behind a GPU sleep on a GPU, so
     that no launch waits for the GPU."""
     for _ in range(WARMUP):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
-    start = time.perf_counter()
-    for _ in range(runs):
-        fn()
-    host = (time.perf_counter() - start) * 1e3 / runs
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    with _gpu_queue(device, busy=True):
+        start = time.perf_counter()
+        for _ in range(runs):
+            fn()
+        host = (time.perf_counter() - start) * 1e3 / runs
     return round(host, 4)
 
 
@@ -228,15 +238,12 @@ def _plan_ms(plan, device, runs: int = RUNS) -> tuple[float, dict]:
     (:data:`PLAN_PARTS`, then ``rest``: the plan's time less theirs) in the same runs."""
     for _ in range(WARMUP):
         plan()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    plan.parts.clear()
-    start = time.perf_counter()
-    for _ in range(runs):
-        plan()
-    total = (time.perf_counter() - start) * 1e3
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    with _gpu_queue(device, busy=False):
+        plan.parts.clear()
+        start = time.perf_counter()
+        for _ in range(runs):
+            plan()
+        total = (time.perf_counter() - start) * 1e3
     parts = {name: plan.parts.get(name, 0.0) for name in PLAN_PARTS}
     parts["rest"] = total - sum(parts.values())
     return round(total / runs, 4), {name: round(ms / runs, 4) for name, ms in parts.items()}
@@ -249,17 +256,12 @@ def _top(fn, device, busy: bool, runs: int = RUNS, top: int = 12) -> list:
     import pstats
 
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        if busy:
-            torch.cuda._sleep(SLEEP_CYCLES)
     profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(runs):
-        fn()
-    profile.disable()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    with _gpu_queue(device, busy):
+        profile.enable()
+        for _ in range(runs):
+            fn()
+        profile.disable()
     stats = sorted(pstats.Stats(profile).stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [[f"{os.path.basename(path)}:{line}({name})", round(calls / runs, 2),
              round(own * 1e3 / runs, 4)] for (path, line, name), (_, calls, own, _, _) in stats]

@@ -303,12 +303,11 @@ def paired_changes(base: list[int], other: list[int], questions: int) -> dict:
 def gsm8k_rows(runs: list[dict], baseline: str = "pcp1") -> dict:
     """gsm8k.json's rows: exact match in points, each one's distance from ``baseline`` and,
     where both runs logged their answers, the questions that flipped (:func:`paired_changes`)."""
+    done = [r for r in runs if "error" not in r]
     rows = [{"config": r["layout"].removesuffix("-split-all"),
              "questions": r["lm_eval_results"].get("sample_len"),
-             **{k: round(100 * r[f"exact_match_{k}"], 2) for k in GSM8K_FILTERS}}
-            for r in runs if "error" not in r]
-    correct = {row["config"]: r.get("correct") for row, r in
-               zip(rows, (r for r in runs if "error" not in r))}
+             **{k: round(100 * r[f"exact_match_{k}"], 2) for k in GSM8K_FILTERS}} for r in done]
+    correct = {row["config"]: r.get("correct") for row, r in zip(rows, done)}
     base = next((r for r in rows if r["config"] == baseline), None)
     for row in rows if base else []:
         if row is not base:
