@@ -34,7 +34,7 @@ JOBS = {  # (model, variant, layout) -> the case groups of its engine
     **_each(R, "pcp1-v1-fp8", "features"), **_each(R, "pcp1-v1-preempt", "preemption"),
     # the one-GPU floors, and vLLM's own expert sharding
     **{k: v for m in (R, S, M, E) for k, v in _each(m, "pcp1 pcp1-graphs pcp1-flash-attn").items()},
-    **_each(E, "tp2"),
+    **_each(E, "tp2", F),  # the floor of the MoE feature cases too
     # several ranks
     **_each(R, "pcp2 pcp2-paged pcp2-dcp2-i8 pcp4", F), **_each(R, "tp2-pcp2", F + ",agreement"),
     **_each(R, "tp2-pcp2-dcp2-i1 pcp4-dcp4-i8 pcp8 pcp2-graphs pcp2-dcp2-i8-graphs "
