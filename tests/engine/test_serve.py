@@ -294,8 +294,11 @@ def test_gsm8k(request, layout, monkeypatch):
         pytest.skip(f"{GSM8K_DATA}/test.jsonl missing (DATA_GSM8K)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # the layout's own server first: under xdist each worker then runs its layout while one
+    # runs -pcp 1, instead of all waiting on -pcp 1's lock
     runs = [serve.cached(request, f"gsm8k/{n}", lambda n=n: on_server(
-        request, n, QWEN, "gsm8k", GSM8K_FLAGS, gsm8k)) for n in dict.fromkeys(("pcp1", layout))]
+        request, n, QWEN, "gsm8k", GSM8K_FLAGS, gsm8k)) for n in dict.fromkeys((layout, "pcp1"))]
+    runs.reverse()  # -pcp 1 first, as gsm8k_rows reads them
     subset = GSM8K_LIMIT and f"the first {GSM8K_LIMIT} of the 1,319 test questions"
     serve.write_result(request, "gsm8k.json", serve.gsm8k_rows, model=os.path.basename(QWEN),
                        subset=subset)
