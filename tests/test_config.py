@@ -13,7 +13,8 @@ def _config(pcp=2, **over):
                     enable_expert_parallel=False)
     model = dict(use_mla=False, is_multimodal_model=False, enable_prompt_embeds=False,
                  model="m", runner_type="generate", is_hybrid=False, is_attention_free=False,
-                 attention_chunk_size=None, architectures=["Qwen2ForCausalLM"])
+                 attention_chunk_size=None, architectures=["Qwen2ForCausalLM"],
+                 is_moe=False)
     for key in list(over):
         if key in parallel:
             parallel[key] = over.pop(key)
@@ -64,12 +65,20 @@ def test_pcp1_and_mla_are_left_to_vllm(cfg):
     (dict(backend=SimpleNamespace(name="FLASH_ATTN")), "--attention-backend FLASH_ATTN"),
     (dict(worker_cls="my.Worker"), "--worker-cls"),
     (dict(additional_config={"pcp_min_split_tokens": -1}), "pcp_min_split_tokens"),
+    (dict(pcp=4, is_moe=True), "mixture-of-experts model at -pcp 4: vLLM sums"),
+    (dict(pcp=3, is_moe=True, decode_context_parallel_size=1), "-pcp 3"),
 ])
 def test_refusals_name_the_flag(over, flag):
     cfg = _config(**over)
     with pytest.raises(PCPConfigError, match=flag.replace("-", r"\-")):
         prepare_pcp_config(cfg)
     assert cfg.parallel_config.worker_cls != WORKER_CLS
+
+
+@pytest.mark.parametrize("cfg", [_config(pcp=2, is_moe=True), _config(pcp=4)])
+def test_moe_models_run_at_pcp_2_and_dense_ones_at_any_pcp(cfg):
+    """Two ranks' parts of an expert layer add the same on both; more do not (the refusal)."""
+    assert prepare_pcp_config(cfg)
 
 
 def test_every_refusal_is_listed_at_once():

@@ -1018,3 +1018,15 @@ def test_vllm_sizes_the_kv_cache_from_the_profile_runs_torch_peak():
     body = ast.unparse(_func(_tree("vllm.utils.mem_utils"), "memory_profiling"))
     reset, measure = body.index("reset_peak_memory_stats"), body.index("before_profile.measure")
     assert reset < measure < body.index("yield result")
+
+
+def test_moe_layers_sum_the_pcp_ranks_parts_with_a_reduce_scatter():
+    """README: the MoE refusal (vllm_pcp.config._moe_refusal). vLLM combines an expert
+    layer's parts over the PCP ranks with a reduce-scatter, whose per-slice order differs
+    from rank to rank; ``ModelConfig.is_moe`` says which models have such layers."""
+    from vllm.config import ModelConfig
+
+    runner = _class(_tree("vllm.model_executor.layers.fused_moe.runner.moe_runner"), "MoERunner")
+    assert _calls(_func(runner, "_maybe_combine"), "get_pcp_group().reduce_scatter")
+    assert _calls(_func(runner, "_maybe_dispatch"), "get_pcp_group().all_gather")
+    assert isinstance(inspect.getattr_static(ModelConfig, "is_moe"), property)

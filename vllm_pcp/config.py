@@ -251,11 +251,26 @@ def _refusals(vllm_config) -> list[str]:
     if getattr(model, "enable_prompt_embeds", False):
         out.append(f"--enable-prompt-embeds is not supported with PCP; drop it or drop "
                    f"{cp}")
+    if parallel.prefill_context_parallel_size > 2 and getattr(model, "is_moe", False):
+        out.append(_moe_refusal(parallel.prefill_context_parallel_size))
     backend = _attention_backend_name(vllm_config)
     if backend not in (None, "FLASHINFER"):
         out.append(f"--attention-backend {backend}: PCP for GQA models runs on "
                    "FLASHINFER only; pass --attention-backend FLASHINFER or omit it")
     return out + _unverified_refusals(vllm_config, cp) + _attention_refusals(vllm_config)
+
+
+def _moe_refusal(pcp: int) -> str:
+    """A mixture-of-experts model at PCP > 2. vLLM 0.26.0 all-gathers each expert layer's
+    tokens over the PCP ranks and sums the ranks' parts with a reduce-scatter
+    (``MoERunner._maybe_combine``). Each rank's slice is summed in another order, which
+    over two ranks gives the same bits (a + b = b + a) and over more does not: the tokens
+    every rank computes (decodes, unsplit prefills) then leave the ranks with different
+    logits, and each rank feeds its own sampled tokens into its next step."""
+    return (f"a mixture-of-experts model at -pcp {pcp}: vLLM sums each expert layer's parts "
+            "with a reduce-scatter over the PCP ranks, which over more than two ranks adds "
+            "them in another order on each rank, so the ranks' logits differ and they sample "
+            "different tokens; use -pcp 2 or drop -pcp (-tp shards the experts too)")
 
 
 # vLLM 0.26.0 models that always pass ALiBi slopes and that ModelConfig.uses_alibi does
