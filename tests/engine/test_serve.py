@@ -290,6 +290,9 @@ def gsm8k(server) -> dict:
 def test_gsm8k(request, layout, monkeypatch):
     """gsm8k (Qwen2.5-Coder-0.5B, every prompt split) within 1.5 points of -pcp 1's."""
     pytest.importorskip("lm_eval", reason="lm-eval missing: pip install -e .[eval]")
+    # local-completions needs lm-eval's api extra; without it every server would start
+    # only for lm-eval to refuse the model
+    pytest.importorskip("tenacity", reason="lm-eval[api] missing: pip install -e .[eval]")
     if not os.path.exists(f"{GSM8K_DATA}/test.jsonl"):
         pytest.skip(f"{GSM8K_DATA}/test.jsonl missing (DATA_GSM8K)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
