@@ -177,3 +177,18 @@ def test_a_budget_engine_passes_only_with_every_case_run_and_every_rank_within_i
     assert [judge.budget_row(r)["passed"] for r in (over, oom, {"returncode": 0})] == [
         False, False, False]
     assert judge.budget_row(oom)["cases_run"] == {"budget_longest": 1}
+
+
+def test_a_feature_floor_excuses_what_one_gpu_fails_but_never_exact_seeded_sampling():
+    """test_features' tolerance: seeded sampling where the layout rounds otherwise, plus the
+    cases one GPU fails against itself on another kernel, but seeded sampling stays exact
+    where the layout's logits are (the paged kernel on every split row)."""
+    import test_exactness as t
+
+    floor = {"sampled_n4", "prompt_logprobs"}
+    assert t.tolerated("pcp2", set()) == {"sampled_n4"}
+    assert t.tolerated("pcp2", floor) == floor
+    assert t.tolerated("pcp2-paged", floor) == {"prompt_logprobs"}
+    assert t.tolerated("pcp2-paged", set()) == set()
+    assert ("smollm2", "chunked", t.FEATURE_FLOOR) in t.JOBS
+    assert "features" in t.JOBS[("smollm2", "chunked", t.FLOORS[t.FEATURE_FLOOR])]

@@ -108,3 +108,32 @@ def test_agreement_rows_make_a_file_that_cuts_back_into_them(tmp_path):
     assert doc["summary"] == {"engines": 2, "agree": False}
     assert {r["key"][2]: tuple(r[f] for f in rows.AGREEMENT_FIELDS)
             for r in rows.committed_rows(str(tmp_path / "out"))} == judged
+
+
+def test_feature_floor_rows_make_a_file_that_cuts_back_into_them(tmp_path):
+    """A floor row with feature cases (one GPU against itself) lands in the features file as
+    its noise floor, apart from the layouts' comparisons, and cuts back into the same row."""
+    (tmp_path / "rows").mkdir()
+
+    def case(config, name, passed):
+        return {"model": "smollm2", "config": f"{config}, chunked", "case": name,
+                "prompt_lens": [5], "first_divergence": None if passed else 3,
+                "max_abs_logprob_diff": 0.1, "passed": passed, "kind": name}
+    floor = [case("pcp1-flash-attn vs pcp1", n, n != "prompt_logprobs")
+             for n in ("prompt_logprobs", "burst")]
+    made = {"features": (["smollm2", "chunked", "pcp2"], "pcp1-v1", dict(cases=[
+                case("pcp2 vs pcp1-v1", "prompt_logprobs", False)])),
+            "floor": (["smollm2", "chunked", "pcp1-flash-attn"], "pcp1", dict(
+                cases=[], teacher=None, features=floor))}
+    for kind, (key, base, judged) in made.items():
+        runs = [{"model": key[0], "variant": key[1], "config": c, "git_rev": "aaa"}
+                for c in (key[2], base)]
+        row = {"kind": kind, "key": key, "session": "s", "command": "c", "runs": runs, **judged}
+        (tmp_path / "rows" / f"{kind}.json").write_text(json.dumps(row))
+    rows.write_results(str(tmp_path), str(tmp_path / "out"), "s", host={})
+    doc = _load("exactness-features.json", tmp_path / "out")
+    assert doc["summary"]["cases"] == 1 and doc["summary"]["noise_floor"]["passed"] == 1
+    assert doc["noise_floor_cases"] == floor
+    cut = {r["kind"]: r for r in rows.committed_rows(str(tmp_path / "out"))}
+    assert cut["floor"]["features"] == floor and cut["floor"]["key"][2] == "pcp1-flash-attn"
+    assert cut["features"]["cases"] == made["features"][2]["cases"]

@@ -53,16 +53,18 @@ def _cases(rows: list[dict], summary: dict, floors: list[dict] = ()) -> dict:
     return out
 
 
-def features(rows: list[dict]) -> dict:
-    """The feature cases by case name, and the refusals apart."""
+def features(rows: list[dict], floors: list[dict] = ()) -> dict:
+    """The feature cases by case name, the refusals apart, and the floors' feature cases
+    (one GPU against itself: a floor row's ``features``)."""
     cases = [c for r in rows for c in r["cases"] if c["case"] != "refusal"]
     refusals = [c for r in rows for c in r["cases"] if c["case"] == "refusal"]
     seconds = [c["seconds_to_failure"] for c in refusals if c["seconds_to_failure"] is not None]
+    floor_cases = [{"cases": r["features"]} for r in floors]
     return _cases(rows, {**judge.summarize(cases), "by_case": {
         name: judge.summarize([c for c in cases if c["case"] == name])
         for name in sorted({c["case"] for c in cases})},
         "refusals": {"cases": len(refusals), "passed": sum(c["passed"] for c in refusals),
-                     "max_seconds_to_failure": max(seconds, default=None)}})
+                     "max_seconds_to_failure": max(seconds, default=None)}}, floor_cases)
 
 
 def teacher(rows: list[dict], floors: list[dict]) -> dict:
@@ -123,12 +125,14 @@ def assemble(rows: list[dict]) -> dict[str, tuple[list[dict], dict]]:
         return sorted((r for r in rows if r["kind"] in kinds), key=lambda r: r["key"])
 
     greedy, floors = kind("greedy"), kind("floor")
+    feature_floors = [r for r in floors if r.get("features")]
     exactness = lambda chosen: _cases(  # noqa: E731
         chosen, judge.summarize([c for r in chosen for c in r["cases"]]), floors)
     files = {  # name: (its rows, the floors' rows it also holds, how it is built)
         "exactness-pcp.json": ([r for r in greedy if r["dcp"] == 1], floors, exactness),
         "exactness-dcp.json": ([r for r in greedy if r["dcp"] > 1], floors, exactness),
-        "exactness-features.json": (kind("features", "refusal"), [], features),
+        "exactness-features.json": (kind("features", "refusal"), feature_floors,
+                                    lambda r: features(r, feature_floors)),
         "exactness-teacher.json": (kind("teacher"), floors, lambda r: teacher(r, floors)),
         "memory.json": (kind("memory"), [], memory),
         "repeatability.json": (kind("repeat"), [], repeatability),
@@ -153,15 +157,15 @@ def _by_key(cases: list[dict]) -> dict[tuple, list[dict]]:
     return out
 
 
-def _cut_cases(doc: dict, add, kind_of, **fields) -> None:
+def _cut_cases(doc: dict, add, kind_of, floor_field: str = "cases", **fields) -> None:
     """``add(kind_of(cases), key, base, **fields, ...)`` per engine of ``cases``,
-    ``add("floor", ...)`` per engine of ``noise_floor_cases``."""
+    ``add("floor", ...)`` per engine of ``noise_floor_cases`` (as its ``floor_field``)."""
     skipped = _by_key(doc.get("not_compared", []))
     for key, cases in _by_key(doc.get("cases", [])).items():
         add(kind_of(cases), key, _key(key[0], cases[0]["config"])[1], cases=cases,
             not_compared=skipped.get(key, []), **fields)
     for key, cases in _by_key(doc.get("noise_floor_cases", [])).items():
-        add("floor", key, _key(key[0], cases[0]["config"])[1], cases=cases)
+        add("floor", key, _key(key[0], cases[0]["config"])[1], **{floor_field: cases})
 
 
 def _cut_teacher(doc: dict, add) -> None:
@@ -192,7 +196,7 @@ def _cut(name: str, doc: dict, add) -> None:
         _cut_teacher(doc, add)
     elif name == "exactness-features.json":
         _cut_cases(doc, add, lambda cases: "refusal" if {c["case"] for c in cases} == {"refusal"}
-                   else "features")
+                   else "features", floor_field="features")
     else:
         _cut_cases(doc, add, lambda _: "greedy", dcp=1 if name == "exactness-pcp.json" else 2)
 
