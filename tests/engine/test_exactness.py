@@ -136,8 +136,7 @@ def test_floor(key, engine, record):
     runs, _, (cases, _) = _compare(engine, judge.compare_run, key, base)
     scored = key[2] in judge.TEACHER_FLOORS and key[1] == "chunked"
     teacher = _teacher(engine, key, base)[1] if scored else None
-    features = (_compare(engine, judge.compare_features, key, base)[2][0]
-                if all("features" in JOBS.get(k, "").split(",") for k in (key, base)) else None)
+    features = _floor_features(engine, key)
     record("floor", key, runs, cases=cases, teacher=teacher, features=features)
     assert not any(r["returncode"] for r in runs), runs[0].get("errors")
     assert teacher is None or teacher["pooled"] is not None, teacher["cases"][0]
@@ -171,7 +170,7 @@ def test_features(key, engine, record):
     sampling stays exact where the layout's logits are)."""
     runs, _, (cases, skipped) = _compare(engine, judge.compare_features, key)
     record("features", key, runs, cases=cases, not_compared=skipped)
-    floor = _feature_floor_failures(engine, key)
+    floor = set(_failures(_floor_features(engine, key[:2] + (FEATURE_FLOOR,)) or []))
     assert not set(_failures(cases)) - tolerated(key[2], floor), (_failures(cases), sorted(floor))
 
 
@@ -183,14 +182,13 @@ def tolerated(layout: str, floor: set[str]) -> set[str]:
     return (floor | {"sampled_n4"}) - ({"sampled_n4"} if exact else set())
 
 
-def _feature_floor_failures(engine, key) -> set[str]:
-    """The feature cases the model's one GPU fails against itself (:data:`FEATURE_FLOOR`
-    against its base, run on demand); empty where the model has no feature floor."""
-    floor = key[:2] + (FEATURE_FLOOR,)
-    if "features" not in JOBS.get(floor, "").split(","):
-        return set()
-    cases = _compare(engine, judge.compare_features, floor, key[:2] + (FLOORS[FEATURE_FLOOR],))
-    return set(_failures(cases[2][0]))
+def _floor_features(engine, key) -> list[dict] | None:
+    """The feature cases of the floor job ``key`` against its base (one GPU against
+    itself, run on demand); None where the two do not both run them."""
+    base = key[:2] + (FLOORS[key[2]],)
+    if not all("features" in JOBS.get(k, "").split(",") for k in (key, base)):
+        return None
+    return _compare(engine, judge.compare_features, key, base)[2][0]
 
 
 @pytest.mark.parametrize("key", _params(k for k in JOBS if "agreement" in JOBS[k].split(",")))
