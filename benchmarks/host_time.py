@@ -23,7 +23,8 @@ NCCL time is in the figures. Per step and layout:
                launched while the GPU is kept busy, so no launch waits for it (mean of RUNS)
     gpu_ms     the same layer's GPU time (CUDA events), for scale
     layer_top  the same for the layer, launched while the GPU is kept busy
-    syncs      host-device synchronizations in one layer call (torch's sync debug mode)
+    syncs      host-device synchronizations in one layer call (torch's sync debug mode; the
+               second of two calls), and ``sync_sites`` where they are
 
 -pcp 2's layer is the plugin's K/V gather and write and the paged prefill and decode calls
 vLLM's FlashInfer forward makes for its rows; vLLM's own Python around them is not in it.
@@ -158,7 +159,7 @@ def pcp_layer(step: str, device, scale: int = 1):
     def plan():
         p = split(computed, scheduled, WORLD, 0, min_split_tokens=CHUNK // scale,
                   prefill_lens=prompts, min_chunk_tokens=min_chunk_tokens(WORLD, 1))
-        rows = table.index_select(0, p.row_req_indices.to(device, torch.int64))
+        rows = table.index_select(0, p.row_req_indices.to(device, torch.int64, non_blocking=True))
         indptr, indices, last = paged_kv_layout(p.seq_lens, rows, PAGE)
         nd, qsl = p.num_decode_rows, p.query_start_loc
         kw = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=HEAD_DIM ** -0.5)
@@ -282,19 +283,24 @@ def _gpu_ms(fn, device) -> float | None:
     return round(statistics.median(time_ms(fn)), 4)
 
 
-def _syncs(fn, device) -> int | None:
-    """Synchronizing calls in one ``fn()``, as torch's sync debug mode warns of them."""
+def _syncs(fn, device) -> tuple[int | None, list[str]]:
+    """Synchronizing calls in one ``fn()``, as torch's sync debug mode warns of them, and
+    where (``file:line``). The call is made twice and the second counted: the first may
+    meet a one-time synchronization of the process, which belongs to no layer."""
     if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+        return None, []
+    caught = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    synced = [w for w in caught if "synchroniz" in str(w.message)]
+    return len(synced), sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in synced})
 
 
 def measure(device: torch.device, scale: int = 1) -> list[dict]:
@@ -313,7 +319,8 @@ def measure(device: torch.device, scale: int = 1) -> list[dict]:
                         "plan_parts_ms": parts, "plan_top": _top(plan, device, busy=False),
                         "plan_waits": waits, "layer_ms": _host_ms(layer, device),
                         "layer_top": _top(layer, device, busy=True),
-                        "gpu_ms": _gpu_ms(layer, device), "syncs": _syncs(layer, device)})
+                        "gpu_ms": _gpu_ms(layer, device),
+                        **dict(zip(("syncs", "sync_sites"), _syncs(layer, device)))})
     return out
 
 

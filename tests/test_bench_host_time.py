@@ -18,7 +18,8 @@ def test_every_step_plans_and_runs_and_attends_its_rows(reference_flashinfer):
         ("prefill", "pcp2-dcp2-i8-keys"), ("prefill", "pcp2"), ("decode", "pcp2-dcp2-i8-keys"),
         ("decode", "pcp2")]
     assert all(r["plan_ms"] > 0 and r["layer_ms"] > 0 and r["gpu_ms"] is None
-               and r["plan_waits"] is None for r in rows)
+               and r["plan_waits"] is None and r["syncs"] is None and r["sync_sites"] == []
+               for r in rows)
     for r in rows:  # the split and FlashInfer's plans timed apart, the rest the plugin's
         parts = r["plan_parts_ms"]
         assert list(parts) == ["split", "flashinfer", "rest"] and parts["split"] > 0
