@@ -4,14 +4,20 @@
 
 Rank 0 of 2 (bench model heads, interleave 8) runs one layer's plugin work on meta tensors
 with FlashInfer and the process group stood in for: aten ops (``kernel_ops``: less views and
-allocations), collectives, FlashInfer calls. Steps: ``mixed`` (15 decodes at 16K context
-beside the second 8K chunk of a 16K prompt), ``prefill`` (that chunk), ``decode``.
+allocations), collectives, FlashInfer calls, in the step's first layer and again in a later
+layer (``later_layer``: a model's other layers run the same planned step). Steps: ``mixed``
+(15 decodes at 16K context beside the second 8K chunk of a 16K prompt), ``prefill`` (that
+chunk), ``decode``. ``plan_host_ms``: the median host time (ms, this CPU) of the step's plan,
+the plugin's split and index work (``build_dcp_plan`` and ``DCPAttention.plan``), FlashInfer's
+own plans stood in for.
 """
 from __future__ import annotations
 
 import os
 import shlex
+import statistics
 import sys
+import time
 from argparse import ArgumentParser, RawDescriptionHelpFormatter
 from types import SimpleNamespace
 from unittest.mock import patch
@@ -30,6 +36,7 @@ NO_KERNEL = {"view", "slice", "select", "detach", "transpose", "as_strided", "un
              "new_empty", "empty_like", "split_with_sizes", "unbind"}
 DECODES, CONTEXT, PROMPT, CHUNK = 15, 16000, 16384, 8192
 STEPS = (("mixed", "keys"), ("mixed", "queries"), ("prefill", "keys"), ("decode", "keys"))
+PLAN_RUNS = 50
 
 
 class Count(TorchDispatchMode):
@@ -93,8 +100,29 @@ def step_batch(step: str, scale: int = 1) -> tuple[list[int], list[int], list[in
             "decode": (dec, [1] * DECODES, [c + 1 for c in dec])}[step]
 
 
+def _plan_host_ms(plan) -> float:
+    """Median host time (ms) of ``plan()`` over :data:`PLAN_RUNS` calls, after a few."""
+    for _ in range(5):
+        plan()
+    times = []
+    for _ in range(PLAN_RUNS):
+        start = time.perf_counter()
+        plan()
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(times), 4)
+
+
+def _counts() -> dict:
+    ops = dict(sorted(COUNT.ops.items()))
+    return {"aten_ops": sum(ops.values()),
+            "kernel_ops": sum(n for op, n in ops.items() if op not in NO_KERNEL), "ops": ops,
+            "flashinfer_runs": COUNT.calls.get("flashinfer", 0),
+            "collectives": COUNT.calls.get("collectives", 0)}
+
+
 def measure(step: str, exchange: str) -> dict:
-    """One layer's counts at ``step`` and context exchange ``exchange``."""
+    """One layer's counts at ``step`` and context exchange ``exchange``, the first and a
+    later layer's, and the step's plan host time."""
     import vllm.v1.attention.backends.flashinfer  # noqa: F401  (before the stand-ins)
     from vllm_pcp.dcp.attention import DCPAttention
     from vllm_pcp.dcp.plan import build_dcp_plan
@@ -102,37 +130,42 @@ def measure(step: str, exchange: str) -> dict:
 
     computed, scheduled, prompts = step_batch(step)
     (hq, hkv), meta, dtype = HEADS, torch.device("meta"), torch.bfloat16
-    plan = build_dcp_plan(computed, scheduled, WORLD, RANK, INTERLEAVE, min_split_tokens=CHUNK,
-                          prefill_lens=prompts, context_exchange=exchange,
-                          kv_to_q_heads=hkv / hq)
+
+    def split():
+        return build_dcp_plan(computed, scheduled, WORLD, RANK, INTERLEAVE,
+                              min_split_tokens=CHUNK, prefill_lens=prompts,
+                              context_exchange=exchange, kv_to_q_heads=hkv / hq)
     pages = -(-(max(computed) + max(scheduled)) // (PAGE * WORLD)) + 1
-    table = torch.arange(len(computed) * pages, dtype=torch.int32).view(-1, pages).to(meta)
+    table = torch.arange(len(computed) * pages, dtype=torch.int32).view(-1, pages)
     cache = tuple(torch.empty(table.numel(), PAGE, hkv, HEAD_DIM, dtype=dtype, device=meta)
                   for _ in range(2))
     with patch.dict(sys.modules, flashinfer=FLASHINFER):  # DCPAttention takes its kernels
         attn = DCPAttention(torch.empty(1, dtype=torch.uint8, device=meta), hq, hkv, HEAD_DIM,
                             PAGE, dtype, HEAD_DIM ** -0.5, "NHD")
     attn._fast_plan_decode = lambda *args, **kwargs: None
-    planned, tokens = attn.plan(plan, table), sum(scheduled)
+    plan_ms = _plan_host_ms(lambda: attn.plan(split(), table))  # CPU table: index work only
+    plan = split()
+    planned, tokens = attn.plan(plan, table.to(meta)), sum(scheduled)
     q = torch.empty(tokens, hq, HEAD_DIM, dtype=dtype, device=meta)
     k = torch.empty(tokens, hkv, HEAD_DIM, dtype=dtype, device=meta)
-    COUNT.ops, COUNT.calls = {}, {}
-    with COUNT:
+
+    def layer():
         if plan.decode is not None:
-            attn.run(planned, GROUP, q, None, None, cache)
-        else:
-            m, padded = len(plan.pcp.local_token_indices), plan.pcp.num_padded_tokens_per_rank
-            ctx_rows = 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded
-            context = planned.read_context(cache)
-            k_buf, v_buf = gather_kv(GROUP, k[:m], k[:m], padded,
-                                     *((context, ctx_rows) if context is not None else ()))
-            attn.run(planned, GROUP, q[:m], k_buf, v_buf, cache)
-    ops = dict(sorted(COUNT.ops.items()))
-    return {"step": step, "exchange": exchange, "interleave": INTERLEAVE,
-            "aten_ops": sum(ops.values()),
-            "kernel_ops": sum(n for op, n in ops.items() if op not in NO_KERNEL), "ops": ops,
-            "flashinfer_runs": COUNT.calls.get("flashinfer", 0),
-            "collectives": COUNT.calls.get("collectives", 0)}
+            return attn.run(planned, GROUP, q, None, None, cache)
+        m, padded = len(plan.pcp.local_token_indices), plan.pcp.num_padded_tokens_per_rank
+        ctx_rows = 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded
+        context = planned.read_context(cache)
+        k_buf, v_buf = gather_kv(GROUP, k[:m], k[:m], padded,
+                                 *((context, ctx_rows) if context is not None else ()))
+        return attn.run(planned, GROUP, q[:m], k_buf, v_buf, cache)
+    counted = []
+    for _ in range(2):  # the step's first layer, then a later one
+        COUNT.ops, COUNT.calls = {}, {}
+        with COUNT:
+            layer()
+        counted.append(_counts())
+    return {"step": step, "exchange": exchange, "interleave": INTERLEAVE, **counted[0],
+            "later_layer": counted[1], "plan_host_ms": plan_ms}
 
 
 if __name__ == "__main__":

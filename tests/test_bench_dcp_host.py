@@ -22,3 +22,7 @@ def test_collectives_and_kernel_calls_per_layer(step, exchange, collectives, run
     assert 0 <= row["kernel_ops"] <= row["aten_ops"] == sum(row["ops"].values())
     if step == "decode":  # a decode layer launches the kernel, the gather, the merge only
         assert row["kernel_ops"] == 0
+    later = row["later_layer"]  # a later layer of the same step makes the same calls
+    assert (later["collectives"], later["flashinfer_runs"]) == (collectives, runs)
+    assert 0 <= later["kernel_ops"] <= later["aten_ops"] <= row["aten_ops"]
+    assert row["plan_host_ms"] > 0
