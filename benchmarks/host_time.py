@@ -53,14 +53,24 @@ PLAN_PARTS = ("split", "flashinfer")  # plan_parts_ms, less "rest"
 
 
 def _timed(fn, parts: dict, part: str):
-    """``fn`` adding its host time (ms) to ``parts[part]``."""
+    """``fn`` adding its host time (ms) to ``parts[part]``, unless it runs inside another
+    timed call of ``parts`` (vLLM's ``fast_plan_decode`` calls the wrapper's ``plan``),
+    whose time holds it already."""
     def run(*args, **kwargs):
-        start = time.perf_counter()
+        if parts.get(_OPEN):
+            return fn(*args, **kwargs)
+        parts[_OPEN] = True
+        start = _clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            parts[part] = parts.get(part, 0.0) + (time.perf_counter() - start) * 1e3
+            parts[part] = parts.get(part, 0.0) + (_clock() - start) * 1e3
+            parts[_OPEN] = False
     return run
+
+
+_OPEN = "open"  # key of ``parts`` set while a timed call runs
+_clock = time.perf_counter
 
 
 GROUP = SimpleNamespace(  # rank 0 of WORLD: every rank's tensors are this rank's

@@ -44,3 +44,16 @@ def test_ratios_take_a_plan_and_36_layers_against_pcp2():
             {"step": "mixed", "layout": "pcp2-dcp2-i8-keys", "plan_ms": 2.0, "layer_ms": 1.0}]
     assert host_time.ratios(rows) == [{"step": "mixed", "layout": "pcp2-dcp2-i8-keys",
                                        "host_ms_per_step": 38.0, "over_pcp2": 2.0}]
+
+
+def test_a_timed_call_inside_another_counts_once(monkeypatch):
+    """vLLM's fast_plan_decode calls the wrapper's plan: both are timed, counted once."""
+    ticks = iter(range(100))
+    monkeypatch.setattr(host_time, "_clock", lambda: next(ticks) / 1e3)  # 1 ms a reading
+    parts = {}
+    plan = host_time._timed(lambda: None, parts, "flashinfer")
+    fast_plan = host_time._timed(plan, parts, "flashinfer")
+    fast_plan()  # readings 0 and 1: the inner plan is not read
+    plan()       # readings 2 and 3
+    assert parts["flashinfer"] == 2.0
+
