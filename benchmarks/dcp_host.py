@@ -137,8 +137,9 @@ def measure(step: str, exchange: str) -> dict:
                               context_exchange=exchange, kv_to_q_heads=hkv / hq)
     pages = -(-(max(computed) + max(scheduled)) // (PAGE * WORLD)) + 1
     table = torch.arange(len(computed) * pages, dtype=torch.int32).view(-1, pages)
-    cache = tuple(torch.empty(table.numel(), PAGE, hkv, HEAD_DIM, dtype=dtype, device=meta)
-                  for _ in range(2))
+    # vLLM's FlashInfer cache: K and V packed in the last dim, read as two views
+    cache = torch.empty(table.numel(), PAGE, hkv, 2 * HEAD_DIM, dtype=dtype,
+                        device=meta).split(HEAD_DIM, dim=-1)
     with patch.dict(sys.modules, flashinfer=FLASHINFER):  # DCPAttention takes its kernels
         attn = DCPAttention(torch.empty(1, dtype=torch.uint8, device=meta), hq, hkv, HEAD_DIM,
                             PAGE, dtype, HEAD_DIM ** -0.5, "NHD")

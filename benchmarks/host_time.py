@@ -100,8 +100,9 @@ def _setup(computed, scheduled, device, shard: int):
     (hq, hkv), dtype = HEADS, torch.bfloat16
     pages = -(-(max(computed) + max(scheduled)) // (PAGE * shard)) + 1
     table = torch.arange(len(computed) * pages, dtype=torch.int32, device=device).view(-1, pages)
-    cache = tuple(torch.randn(table.numel(), PAGE, hkv, HEAD_DIM, dtype=dtype, device=device)
-                  for _ in range(2))
+    # vLLM's FlashInfer cache: K and V packed in the last dim, read as two views
+    cache = torch.randn(table.numel(), PAGE, hkv, 2 * HEAD_DIM, dtype=dtype,
+                        device=device).split(HEAD_DIM, dim=-1)
     tokens = sum(scheduled)
     q, k, v = (torch.randn(tokens, h, HEAD_DIM, dtype=dtype, device=device) for h in (hq, hkv, hkv))
     return table, cache, q, k, v
