@@ -50,6 +50,8 @@ import results  # noqa: E402  (kernel_choice put tests/engine on the path)
 
 RUNS, WARMUP = 10, 3
 PLAN_PARTS = ("split", "flashinfer")  # plan_parts_ms, less "rest"
+_OPEN = "open"  # key of ``parts`` set while a timed call runs
+_clock = time.perf_counter
 
 
 def _timed(fn, parts: dict, part: str):
@@ -67,10 +69,6 @@ def _timed(fn, parts: dict, part: str):
             parts[part] = parts.get(part, 0.0) + (_clock() - start) * 1e3
             parts[_OPEN] = False
     return run
-
-
-_OPEN = "open"  # key of ``parts`` set while a timed call runs
-_clock = time.perf_counter
 
 
 GROUP = SimpleNamespace(  # rank 0 of WORLD: every rank's tensors are this rank's
