@@ -4,10 +4,11 @@ cache slots of the context a rank sends, and the row sets the layers read and
 write (as slices where they are one run of rows). Pure functions of tensors."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_pcp.dcp.plan import AttentionRows, ContextGather, DCPAttentionPlan
-from vllm_pcp.pcp.partition import indptr_of
+from vllm_pcp.pcp.partition import _expand_ranges, indptr_of
 
 
 def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
@@ -20,15 +21,12 @@ def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
     table's device, all int32. The page list is gathered by index, so the
     device never has to report a count back (no synchronization).
     """
-    kv_len = kv_len.long()
-    pages = (kv_len + page_size - 1) // page_size
-    indptr = indptr_of(pages)
-    rows = torch.repeat_interleave(torch.arange(len(kv_len)), pages)
-    cols = torch.arange(int(indptr[-1])) - indptr[:-1].long().repeat_interleave(pages)
-    flat = (rows * block_table.shape[1] + cols).to(block_table.device, non_blocking=True)
-    indices = block_table.reshape(-1).index_select(0, flat)
-    last = kv_len - (pages - 1).clamp(min=0) * page_size
-    return indptr, indices.to(torch.int32), last.to(torch.int32)
+    kv_len = kv_len.numpy().astype(np.int64)
+    pages = -(-kv_len // page_size)
+    flat = _expand_ranges(np.arange(len(kv_len)) * block_table.shape[1], pages)
+    indices = block_table.reshape(-1).index_select(0, _to(flat, block_table.device))
+    last = kv_len - np.maximum(pages - 1, 0) * page_size
+    return indptr_of(pages), indices.to(torch.int32), torch.from_numpy(last.astype(np.int32))
 
 
 def context_slots(gather: ContextGather, block_table: torch.Tensor,
@@ -36,24 +34,27 @@ def context_slots(gather: ContextGather, block_table: torch.Tensor,
     """Page and in-page slot of each context token this rank sends: the first
     ``gather.local_len[g]`` tokens of request ``gather.req[g]``'s shard, request
     after request; both ``[sum local_len]`` int64 on the block table's device."""
-    lens = gather.local_len.long()
-    starts = torch.cumsum(lens, 0) - lens
-    offsets = torch.arange(int(lens.sum())) - starts.repeat_interleave(lens)
-    req = gather.req.long().repeat_interleave(lens)
-    flat = (req * block_table.shape[1] + offsets // page_size).to(block_table.device,
-                                                                 non_blocking=True)
-    page = block_table.reshape(-1).index_select(0, flat).long()
-    return page, (offsets % page_size).to(block_table.device, non_blocking=True)
+    lens = gather.local_len.numpy().astype(np.int64)
+    offsets = _expand_ranges(np.zeros_like(lens), lens)
+    req = np.repeat(gather.req.numpy().astype(np.int64), lens)
+    page_of, slot = np.divmod(offsets, page_size)
+    flat = _to(req * block_table.shape[1] + page_of, block_table.device)
+    return block_table.reshape(-1).index_select(0, flat).long(), _to(slot, block_table.device)
+
+
+def _to(index: np.ndarray, device) -> torch.Tensor:
+    """An int64 index array on ``device``, copied without waiting for the device."""
+    return torch.from_numpy(index.astype(np.int64, copy=False)).to(device, non_blocking=True)
 
 
 def kept_rows(rows: AttentionRows, keep: torch.Tensor | None = None) -> AttentionRows:
     """The rows with keys (kv_len 0 rows dropped, with their query tokens), of those
     ``keep`` marks if given."""
-    keep = rows.kv_len > 0 if keep is None else keep & (rows.kv_len > 0)
-    lens = (rows.qo_indptr[1:] - rows.qo_indptr[:-1])[keep]
-    per_token = torch.repeat_interleave(keep, rows.qo_indptr[1:] - rows.qo_indptr[:-1])
-    indptr = indptr_of(lens)
-    return AttentionRows(rows.query_index[per_token], indptr, rows.req[keep], rows.kv_len[keep])
+    keep = rows.kv_len.numpy() > 0 if keep is None else keep.numpy() & (rows.kv_len.numpy() > 0)
+    lens = np.diff(rows.qo_indptr.numpy())
+    per_token = np.repeat(keep, lens)
+    return AttentionRows(rows.query_index[torch.from_numpy(per_token)], indptr_of(lens[keep]),
+                         rows.req[torch.from_numpy(keep)], rows.kv_len[torch.from_numpy(keep)])
 
 
 def owned_split_tokens(plan: DCPAttentionPlan) -> torch.Tensor | None:

@@ -8,13 +8,14 @@ request belongs to rank ``(t // I) % D`` and sits at local offset
                      rank   0 0 1 1 0 0 1 1 0
                      local  0 1 0 1 2 3 2 3 4
 
-Pure integer arithmetic on tensors or ints; no process group. The local
+Pure integer arithmetic on tensors, numpy arrays or ints; no process group. The local
 sequence length is vLLM's own ``get_dcp_local_seq_lens`` (the one its DCP
 backends use); ownership and offsets have no vLLM helper of that shape (vLLM
 computes them inside its slot-mapping kernel).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
@@ -25,15 +26,14 @@ def _check(dcp_world_size: int, interleave: int) -> None:
                          f"got {dcp_world_size} and {interleave}")
 
 
-def dcp_owner(positions: torch.Tensor, dcp_world_size: int, interleave: int) -> torch.Tensor:
-    """DCP rank that stores each token position (same shape as ``positions``)."""
+def dcp_owner(positions, dcp_world_size: int, interleave: int):
+    """DCP rank that stores each token position (a tensor or array like ``positions``)."""
     _check(dcp_world_size, interleave)
     return (positions // interleave) % dcp_world_size
 
 
-def dcp_local_offset(positions: torch.Tensor, dcp_world_size: int,
-                     interleave: int) -> torch.Tensor:
-    """Offset of each token inside its owner's local KV shard."""
+def dcp_local_offset(positions, dcp_world_size: int, interleave: int):
+    """Offset of each token inside its owner's local KV shard (like ``positions``)."""
     _check(dcp_world_size, interleave)
     return (positions // (interleave * dcp_world_size)) * interleave + positions % interleave
 
@@ -45,3 +45,11 @@ def dcp_local_seq_len(seq_lens: torch.Tensor, dcp_rank: int, dcp_world_size: int
     _check(dcp_world_size, interleave)
     return get_dcp_local_seq_lens(seq_lens, dcp_world_size, dcp_rank,
                                   interleave).to(seq_lens.dtype)
+
+
+def dcp_local_seq_lens_all_ranks(seq_lens: np.ndarray, dcp_world_size: int,
+                                 interleave: int) -> np.ndarray:
+    """``[R, dcp_world_size]`` int64: :func:`dcp_local_seq_len` of every rank at once."""
+    _check(dcp_world_size, interleave)
+    lens = torch.from_numpy(np.asarray(seq_lens, dtype=np.int64))
+    return get_dcp_local_seq_lens(lens, dcp_world_size, None, interleave).numpy().astype(np.int64)

@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 from vllm_pcp.config import CONTEXT_EXCHANGES
-from vllm_pcp.dcp.layout import dcp_local_offset, dcp_local_seq_len, dcp_owner
+from vllm_pcp.dcp.layout import (dcp_local_offset, dcp_local_seq_len,
+                                 dcp_local_seq_lens_all_ranks, dcp_owner)
 from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, _expand_ranges,
                                     build_pcp_metadata_all_ranks, indptr_of, split_requests)
 
@@ -178,22 +179,19 @@ def _gather_context(computed: np.ndarray, wanted: np.ndarray, world_size: int, r
     reqs = np.flatnonzero(wanted)
     if context_exchange == "queries" or not len(reqs):
         return None, {}
-    context = torch.from_numpy(computed[reqs])
-    stored = np.stack([dcp_local_seq_len(context, r, world_size, interleave).numpy()
-                       for r in range(world_size)])  # [N, G]
+    context = computed[reqs]
+    stored = dcp_local_seq_lens_all_ranks(context, world_size, interleave).T  # [N, G]
     num_padded = int(stored.sum(1).max())
     if context_exchange == "auto" and num_padded * kv_to_q_heads > num_padded_queries:
         return None, {}
     first = np.cumsum(stored, 1) - stored  # [N, G] a request's first row in a rank's block
-    rows = {}
-    for g, req in enumerate(reqs):
-        t = torch.arange(int(computed[req]))
-        owner = dcp_owner(t, world_size, interleave).numpy()
-        rows[int(req)] = (owner * num_padded + first[owner, g]
-                          + dcp_local_offset(t, world_size, interleave).numpy())
+    t = _expand_ranges(np.zeros_like(context), context)  # each request's context tokens
+    g = np.repeat(np.arange(len(reqs)), context)
+    owner = dcp_owner(t, world_size, interleave)
+    rows = owner * num_padded + first[owner, g] + dcp_local_offset(t, world_size, interleave)
     gather = ContextGather(torch.from_numpy(reqs.astype(np.int32)),
                            torch.from_numpy(stored[rank].astype(np.int32)), num_padded)
-    return gather, rows
+    return gather, dict(zip(reqs.tolist(), np.split(rows, np.cumsum(context)[:-1])))
 
 
 def _new_part(rows_req: np.ndarray, token_start: np.ndarray, new_lens: np.ndarray,
@@ -235,15 +233,17 @@ def gathered_kv_index(new_kv_token_index: torch.Tensor, restore_indices: torch.T
     torch.Tensor
         ``[K]`` int64 rows of the ``[N * (P + Pc)]`` buffer.
     """
-    num_tokens, block = len(restore_indices), num_padded_tokens_per_rank + num_context_rows
-    index = new_kv_token_index.long()
+    index = new_kv_token_index.numpy().astype(np.int64, copy=False)
+    restore = restore_indices.numpy().astype(np.int64, copy=False)
+    num_tokens, padded = len(restore), num_padded_tokens_per_rank
+    block = padded + num_context_rows
+    out = np.empty_like(index)
     is_new = index < num_tokens
-    new = restore_indices.long()[index.clamp(max=max(num_tokens - 1, 0))]
-    new = new // num_padded_tokens_per_rank * block + new % num_padded_tokens_per_rank
-    ctx = (index - num_tokens).clamp(min=0)
-    pc = max(num_context_rows, 1)
-    ctx = ctx // pc * block + num_padded_tokens_per_rank + ctx % pc
-    return torch.where(is_new, new, ctx)
+    rank, row = np.divmod(restore[index[is_new]], max(padded, 1))
+    out[is_new] = rank * block + row
+    rank, row = np.divmod(index[~is_new] - num_tokens, max(num_context_rows, 1))
+    out[~is_new] = rank * block + padded + row
+    return torch.from_numpy(out)
 
 
 def min_folded_seq_len(world_size: int, interleave: int) -> int:
