@@ -94,7 +94,7 @@ def _capture_like_vllm(attn, world, rank, interleave, graph_rows, table):
 def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=64,
                  page_size=16, computed=COMPUTED, scheduled=SCHEDULED, kv_layout="NHD",
                  graph_rows=None, heads_gathered=False, context_exchange="queries",
-                 context_written_in_step=None, around_attention=None):
+                 context_written_in_step=None, around_attention=None, earlier_layers=0):
     """Each rank's restored output (in the attention's output dtype) and the float32
     reference computed from the same ``dtype``-rounded inputs.
 
@@ -110,7 +110,10 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
     ``context_written_in_step`` (``[R]`` bool): requests whose split rows send their
     queries whatever the knob, beside others that fetch their context.
 
-    ``around_attention(rank)``: a context manager DCP inside TP's attention runs in."""
+    ``around_attention(rank)``: a context manager DCP inside TP's attention runs in.
+
+    ``earlier_layers``: the planned step first runs in that many layers of other queries
+    and K/V (their outputs dropped), as a model's layers share one step."""
     import contextlib
 
     full, q = make_batch(hq, hkv, dim, world * 100 + interleave, computed, scheduled)
@@ -156,8 +159,11 @@ def run_dcp_step(world, interleave, min_split, device, dtype, hq=8, hkv=2, dim=6
         k_buf, v_buf = gather_kv(group.rank(rank), k_step[local], v_step[local],
                                  plan.pcp.num_padded_tokens_per_rank,
                                  step.read_context(cache), context_rows)
-        out = attn.run(step, group.rank(rank), q.to(device, dtype)[local], k_buf, v_buf,
-                       cache)
+        q_local = q.to(device, dtype)[local]
+        for _ in range(earlier_layers):
+            attn.run(step, group.rank(rank), torch.randn_like(q_local), torch.randn_like(k_buf),
+                     torch.randn_like(v_buf), cache)
+        out = attn.run(step, group.rank(rank), q_local, k_buf, v_buf, cache)
         restored = restore_hidden_states(group.rank(rank), out.reshape(out.shape[0], hq * dim),
                                          plan.pcp.num_padded_tokens_per_rank,
                                          plan.pcp.restore_indices.to(device))

@@ -187,6 +187,17 @@ def test_dcp_attention_matches_one_process(float32_flashinfer, world, interleave
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (4, 8)])
 @pytest.mark.parametrize("context_exchange", ["queries", "keys"])
+def test_a_step_runs_in_every_layer(float32_flashinfer, world, interleave, context_exchange):
+    """A planned step keeps its partial-state buffers from layer to layer: after two
+    layers of other queries and K/V, a layer still gives one process's output."""
+    outs, expect = run_dcp_step(world, interleave, 2, "cpu", torch.float32,
+                                context_exchange=context_exchange, earlier_layers=2)
+    for out in outs:
+        torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 8)])
+@pytest.mark.parametrize("context_exchange", ["queries", "keys"])
 def test_bf16_partials_are_merged_by_flashinfer(reference_flashinfer, world, interleave,
                                                 context_exchange):
     """bf16 model: partial states in bf16, merged by FlashInfer's 16-bit kernels."""

@@ -390,9 +390,10 @@ class _FakeDCPAttention:
     def __init__(self):
         self.calls = []
 
-    def run(self, step, group, q, k, v, cache):
+    def run(self, step, group, q, k, v, cache, out=None):
         self.calls.append((step, group, q.shape, k, v, getattr(cache[0], "shape", cache[0])))
-        return q * 2
+        self.out = out
+        return q * 2 if out is None else out.copy_(q * 2)
 
     def run_heads_gathered(self, step, group, q, k, v, cache):
         self.calls.append(("heads", group, q.shape, k.shape, v.shape))
@@ -429,6 +430,9 @@ def test_dcp_forward_gathers_the_step_kv_for_attention(monkeypatch):
         q = torch.randn(padded, 2, 4)
         output = torch.ones(padded, 2, 4)
         impl.forward(None, q, k_all[local], -k_all[local], "cache", md, output)
+        # the attention writes the layer's output rows in place
+        assert attention.out.data_ptr() == output.data_ptr()
+        assert attention.out.shape == (len(local), 2, 4)
         torch.testing.assert_close(output[:len(local)], q[:len(local)] * 2)
         assert (output[len(local):] == 0).all()  # pad rows zeroed
         (_, _, _, k_buf, v_buf, _), = attention.calls

@@ -190,8 +190,10 @@ class PCPFlashInferImpl(FlashInferImpl):
                 k_step, v_step = exchange.gather(key, value, step.read_context(kv))
                 super().do_kv_cache_update(layer, k_step, v_step, kv_cache,
                                            metadata.slot_mapping)
-            out = attention.run(step, metadata.group, query[:n], k_step, v_step, kv)
-        output[:n].copy_(out)
+            out = attention.run(step, metadata.group, query[:n], k_step, v_step, kv,
+                                out=None if exchange is None else output[:n])
+        if out.data_ptr() != output.data_ptr():
+            output[:n].copy_(out)
         if exchange is not None:
             _zero_pad_rows(output, n)
         return output

@@ -66,6 +66,8 @@ class PlannedDCPStep:
     # (wrapper, its query rows, their positions among replicated_rows)
     replicated_calls: list = field(default_factory=list)
     replicated_covered: bool = True  # every replicated row sees keys on this rank
+    # partial-state buffers, made in the step's first layer and reused by the others
+    buffers: dict = field(default_factory=dict)
 
     def read_context(self, kv_cache) -> torch.Tensor | None:
         """The context K/V this rank stores for the step's split chunks, to send
@@ -260,23 +262,25 @@ class DCPAttention:
         return kept.query_index
 
     def run(self, step: PlannedDCPStep, group, q_local: torch.Tensor, k_step: torch.Tensor,
-            v_step: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            v_step: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+            out: torch.Tensor | None = None) -> torch.Tensor:
         """Run a planned step in one layer.
 
         ``q_local [L, Hq, D]``; ``k_step/v_step``: the K/V exchange's buffer
         ``[N * (P + Pc), Hkv, D]`` (split rows' context included, see :meth:`plan`),
         or ``[T, Hkv, D]`` in step order; ``kv_cache`` this rank's paged (K, V) in
-        ``kv_layout``. Returns ``[L, Hq, D]``. On a decode step ``q_local`` is the
-        step's tokens and K/V are not read."""
+        ``kv_layout``. Returns ``[L, Hq, D]``: ``out`` where given (not on a decode
+        step), written in place. On a decode step ``q_local`` is the step's tokens and
+        K/V are not read."""
         if step.plan.decode is not None:
             return self._run_decode(step, group, q_local, kv_cache)
+        out = self._out_like(q_local) if out is None else out
         if not step.has_local_rows:  # still serves the other ranks' split context below
-            out = self._out_like(q_local)
             lse = torch.empty(q_local.shape[:2], dtype=torch.float32, device=q_local.device)
         else:
             out, lse = self._new.run(q_local, k_step.index_select(0, step.new_kv_index),
                                      v_step.index_select(0, step.new_kv_index),
-                                     out=self._out_like(q_local), return_lse=True)
+                                     out=out, return_lse=True)
         if len(step.plan.ctx_split.query_index):  # the same row set on every rank
             self._add_split_context(step, group, q_local, kv_cache, out, lse)
         if step.num_replicated:
@@ -287,10 +291,9 @@ class DCPAttention:
                                 out, lse) -> None:
         """Replicated rows: every rank holds the same queries; each attends its shard,
         the partials are all-gathered and merged into ``out``/``lse`` in place."""
-        send, part_out, part_lse = self._partials(step.num_replicated, q_local)
+        send, part_out, part_lse = self._step_partials(  # rows that see no keys here
+            step, "replicated", step.num_replicated, q_local, empty=not step.replicated_covered)
         part_out, part_lse = part_out[0], part_lse[0]
-        if not step.replicated_covered:  # rows that see no keys here
-            part_out.zero_(), part_lse.fill_(float("-inf"))
         for wrapper, query, slot in step.replicated_calls:
             q_rows = q_local[query]
             if isinstance(slot, slice):  # the kernel writes the partials in place
@@ -350,6 +353,21 @@ class DCPAttention:
                            device=q.device)
         return (send, *self._unpack(send, blocks, rows, q.shape))
 
+    def _step_partials(self, step: PlannedDCPStep, name: str, rows: int, q: torch.Tensor,
+                       blocks: int = 1, empty: bool = False):
+        """:meth:`_partials` made in the step's first layer and reused by the rest. The
+        layers run one after another on one stream, and each layer's collective has
+        read the buffer before the next layer's kernels write it. ``empty``: made as
+        empty states (output 0, LSE -inf); every layer of the step writes the same
+        rows, so the rows no kernel writes stay empty."""
+        key = (name, rows, blocks, *q.shape[1:])
+        made = step.buffers.get(key)
+        if made is None:
+            made = step.buffers[key] = self._partials(rows, q, blocks)
+            if empty:
+                made[1].zero_(), made[2].fill_(float("-inf"))
+        return made
+
     def _block_numel(self, rows: int, shape) -> int:
         """Elements (of ``self.dtype``) of one block: ``rows`` outputs, their LSEs,
         rounded up to 128 bytes."""
@@ -391,8 +409,8 @@ class DCPAttention:
         n, padded = group.world_size, step.plan.pcp.num_padded_tokens_per_rank
         q_all = all_gather_padded(group, q_local, padded)
         # block q of the buffer: partials of rank q's queries, outputs and LSEs together
-        send, part_out, part_lse = self._partials(padded, q_local, blocks=n)
-        part_out.zero_(), part_lse.fill_(float("-inf"))  # queries that see no keys here
+        send, part_out, part_lse = self._step_partials(  # queries that see no keys here
+            step, "split", padded, q_local, n, empty=True)
         if step.split_query is not None:
             q_split = q_all.index_select(0, step.split_query)
             o, s = self._split.run(q_split, kv_cache, out=self._out_like(q_split),
