@@ -311,8 +311,8 @@ def test_dcp_inside_tp_as_cuda_graphs(float32_flashinfer):
 def test_context_rows_ride_in_the_kv_exchange_from_both_cache_layouts(float32_flashinfer, world,
                                                                       interleave):
     """The K/V context exchange reads each rank's shard from the paged cache: NHD
-    ``[pages, page, Hkv, D]`` and HND ``[pages, Hkv, page, D]`` (Hopper's) give the same
-    rows, every context token of the split requests once, in request order; one
+    ``[pages, page, Hkv, D]`` and HND ``[pages, Hkv, page, D]`` (Hopper's), K and V apart
+    or packed in the last dim (vLLM's, read in one gather), give the same rows, every context token of the split requests once, in request order; one
     all-gather returns each rank's block as ``[P new rows | Pc context rows]``."""
     from dcp_harness import _paged_shard, make_batch
     from helpers import ThreadGroup
@@ -333,8 +333,10 @@ def test_context_rows_ride_in_the_kv_exchange_from_both_cache_layouts(float32_fl
         cache, table = _paged_shard(full, rank, world, interleave, page_size, "cpu",
                                     torch.float32)
         contexts = []
-        for layout, kv in (("NHD", cache), ("HND", tuple(c.transpose(1, 2).contiguous()
-                                                           for c in cache))):
+        hnd = tuple(c.transpose(1, 2).contiguous() for c in cache)
+        for layout, kv in (("NHD", cache), ("HND", hnd),  # then K|V packed, as vLLM's
+                           ("NHD", torch.cat(cache, dim=-1).split(16, dim=-1)),
+                           ("HND", torch.cat(hnd, dim=-1).split(16, dim=-1))):
             step = PlannedDCPStep(plan, kv_layout=layout,
                                   context_slots=context_slots(plan.ctx_gather, table,
                                                               page_size))
@@ -348,8 +350,9 @@ def test_context_rows_ride_in_the_kv_exchange_from_both_cache_layouts(float32_fl
     results = group.run(rank_fn)
     plan0 = results[0][0]
     padded, ctx_rows = plan0.pcp.num_padded_tokens_per_rank, plan0.ctx_gather.num_padded
-    for plan, (nhd, hnd), k_buf, v_buf in results:
+    for plan, (nhd, hnd, *packed), k_buf, v_buf in results:
         assert torch.equal(nhd, hnd) and nhd.shape[1:] == (2, 2, 16)
+        assert all(torch.equal(nhd, p) for p in packed)
         assert k_buf.shape == (world * (padded + ctx_rows), 2, 16)
         # every rank holds the same buffer; its padding rows are unset (may hold NaN)
         for mine, first in ((k_buf, results[0][2]), (v_buf, results[0][3])):

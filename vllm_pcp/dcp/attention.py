@@ -77,11 +77,26 @@ class PlannedDCPStep:
             return None
         page, slot = self.context_slots
         k_cache, v_cache = kv_cache
+        packed = _packed(k_cache, v_cache)
+        if packed is not None:  # one gather of both: [Lc, Hkv, 2, D]
+            rows = packed[page, :, slot] if self.kv_layout == "HND" else packed[page, slot]
+            return rows.transpose(1, 2)
         if self.kv_layout == "HND":  # [pages, Hkv, page_size, D]
             k, v = k_cache[page, :, slot], v_cache[page, :, slot]
         else:  # [pages, page_size, Hkv, D]
             k, v = k_cache[page, slot], v_cache[page, slot]
         return torch.stack((k, v), dim=1)
+
+
+def _packed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """K and V as one view ``[..., 2, D]`` where V lies ``D`` elements after K with K's
+    strides, as vLLM's FlashInfer cache packs them in its last dim; else None."""
+    dim = k_cache.shape[-1]
+    if (k_cache.stride(-1) != 1 or v_cache.shape != k_cache.shape
+            or v_cache.stride() != k_cache.stride()
+            or v_cache.data_ptr() != k_cache.data_ptr() + dim * k_cache.element_size()):
+        return None
+    return k_cache.as_strided((*k_cache.shape[:-1], 2, dim), (*k_cache.stride()[:-1], dim, 1))
 
 
 class DCPAttention:
