@@ -33,6 +33,28 @@ def test_rows_assemble_into_the_committed_summaries_and_tables(name):
     assert name not in TABLES or TABLES[name](assembled) == TABLES[name](committed)
 
 
+@pytest.mark.parametrize("name", [n for n in FILES if "runs_by_git_rev" in _load(n)["meta"]])
+def test_rows_keep_the_revisions_of_the_committed_runs(name):
+    """An engine a file lists under two revisions (a baseline its rows took from two runs)
+    stays under both once the file is cut into rows and merged again (a floor that several
+    files hold may gain the revisions the others list)."""
+    used = rows.assemble(_committed_rows())[name][0]
+    merged = rows.meta_extra(used)["runs_by_git_rev"]
+    for rev, keys in _load(name)["meta"]["runs_by_git_rev"].items():
+        assert set(keys) <= set(merged.get(rev, ())), rev
+
+
+def test_an_engine_under_two_revisions_keeps_both(tmp_path):
+    doc = {"meta": {"git_rev": "ccc", "runs_by_git_rev": {
+        "aaa": ["m:chunked:pcp1-v1", "m:chunked:pcp2"], "bbb": ["m:chunked:pcp1-v1",
+                                                                 "m:chunked:pcp4"]}},
+        "cases": [{"model": "m", "config": f"{c} vs pcp1-v1, chunked", "passed": True}
+                  for c in ("pcp2", "pcp4")]}
+    (tmp_path / "exactness-pcp.json").write_text(json.dumps(doc))
+    cut = rows.committed_rows(str(tmp_path))
+    assert rows.meta_extra(cut)["runs_by_git_rev"] == doc["meta"]["runs_by_git_rev"]
+
+
 def test_written_files_carry_meta_and_only_from_a_session_that_recorded(tmp_path):
     (tmp_path / "rows").mkdir()
     for i, row in enumerate(_committed_rows()):

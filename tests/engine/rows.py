@@ -25,8 +25,8 @@ def meta_extra(rows: list[dict]) -> dict:
     shared = {r["config"]: r["shared_gpus"] for r in runs if r.get("shared_gpus")}
     revs: dict[str, set] = {}
     for run in runs:
-        revs.setdefault(run.get("git_rev") or "unknown", set()).add(
-            ":".join((run["model"], run["variant"], run["config"])))
+        for rev in run.get("git_revs") or [run.get("git_rev") or "unknown"]:
+            revs.setdefault(rev, set()).add(":".join((run["model"], run["variant"], run["config"])))
     by_rev = {rev: sorted(keys) for rev, keys in sorted(revs.items())}
     extra = {}
     commands = sorted({row["command"] for row in rows if row.get("command")})
@@ -203,21 +203,36 @@ def _cut(name: str, doc: dict, add) -> None:
 
 def _adder(out: dict, meta: dict):
     """``add(kind, key, base, **fields)`` into ``out``: a row with the runs of ``key`` and
-    its ``base`` at their revisions in ``meta``."""
-    revs = {k: rev for rev, keys in (meta.get("runs_by_git_rev") or {}).items() for k in keys}
+    its ``base`` at their revisions in ``meta`` (``git_revs`` all of them where the file lists
+    an engine under several: a baseline its rows took from more than one run)."""
+    revs: dict[str, list] = {}
+    for rev, keys in (meta.get("runs_by_git_rev") or {}).items():
+        for k in keys:
+            revs.setdefault(k, []).append(rev)
     shared = meta.get("ranks_shared_gpus") or {}
 
     def run(model, variant, config):
-        return {"model": model, "variant": variant, "config": config,
-                "git_rev": revs.get(f"{model}:{variant}:{config}", meta.get("git_rev")),
+        listed = revs.get(f"{model}:{variant}:{config}") or [meta.get("git_rev")]
+        return {"model": model, "variant": variant, "config": config, "git_rev": listed[-1],
+                "git_revs": listed if len(listed) > 1 else None,
                 "shared_gpus": str(shared["gpus"]) if config in shared.get("configs", ()) else None}
 
     def add(kind, key, base=None, /, **fields):
-        out.setdefault((kind, key), {
+        runs = [run(*key)] + ([run(*key[:2], base)] if base else [])
+        row = out.setdefault((kind, key), {
             "kind": kind, "key": list(key), "session": None, "command": meta.get("command"),
-            "runs": [run(*key)] + ([run(*key[:2], base)] if base else []),
-            "cases": [], "teacher": None}).update(fields)
+            "runs": runs, "cases": [], "teacher": None})
+        if row["runs"] is not runs:  # a floor that more than one file holds: all their revisions
+            row["runs"] = [_union(kept, new) for kept, new in zip(row["runs"], runs)]
+        row.update(fields)
     return add
+
+
+def _union(kept: dict, new: dict) -> dict:
+    """``kept`` (a run) with the revisions of ``new`` (the same engine in another file)."""
+    revs = sorted({*(kept.get("git_revs") or [kept["git_rev"]]),
+                   *(new.get("git_revs") or [new["git_rev"]])})
+    return {**kept, "git_revs": revs if len(revs) > 1 else None}
 
 
 def committed_rows(results_dir: str) -> list[dict]:
