@@ -3,7 +3,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_pcp.config import WORKER_CLS, PCPConfigError, PCPKnobs, prepare_pcp_config
+from vllm_pcp.config import WORKER_CLS, PCPConfigError, prepare_pcp_config
+from vllm_pcp.knobs import PCPKnobs
 
 
 def _config(pcp=2, **over):
@@ -112,7 +113,7 @@ def test_context_exchange_knob():
 
 
 def test_the_default_split_threshold():
-    from vllm_pcp.config import DEFAULT_MIN_SPLIT_TOKENS, min_split_tokens
+    from vllm_pcp.knobs import DEFAULT_MIN_SPLIT_TOKENS, min_split_tokens
 
     assert min_split_tokens(PCPKnobs(), 2) == DEFAULT_MIN_SPLIT_TOKENS == 8192
     # a knob is taken as given, but never below 2N (every rank gets tokens)

@@ -12,7 +12,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from helpers import ThreadGroup
 from test_dcp_attention_cpu import SIXTEEN_BIT, _fake_flashinfer, _torch_cache_write
-from vllm_pcp.config import PCPConfigError, PCPKnobs
+from vllm_pcp.config import PCPConfigError
+from vllm_pcp.knobs import PCPKnobs
 from vllm_pcp.pcp.partition import build_pcp_metadata
 from vllm_pcp.pcp.ragged import is_fresh_step, ragged_kv_rows
 

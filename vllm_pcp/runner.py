@@ -48,7 +48,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_pcp.backend import KVExchange, PCPFlashInferMetadataBuilder, PCPSplitMetadata
-from vllm_pcp.config import PCPKnobs, min_split_tokens
+from vllm_pcp.knobs import PCPKnobs, min_split_tokens
 from vllm_pcp.dcp.plan import DCPAttentionPlan, build_dcp_plan, min_folded_seq_len
 from vllm_pcp.dcp.prefix import context_written_in_step
 from vllm_pcp.pcp.agreement import SampledTokenCheck

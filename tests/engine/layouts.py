@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 # vLLM's all-reduce + RMSNorm fusion (torch.compile at TP > 1) fails vLLM's memory profiling
 # on hosts with NVLink multicast off: engines at TP > 1 with CUDA graphs run without it
 NO_ALLREDUCE_FUSION = {"pass_config": {"fuse_allreduce_rms": False}}
-CONTEXT_EXCHANGES = ("auto", "queries", "keys")  # vllm_pcp.config.CONTEXT_EXCHANGES
+CONTEXT_EXCHANGES = ("auto", "queries", "keys")  # vllm_pcp.knobs.CONTEXT_EXCHANGES
 # vLLM 0.26.0 runs its Model Runner V2 at PCP = 1 and the plugin the V1 runner at PCP > 1;
 # the two draw a seeded request's random numbers differently
 V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_pcp.config import CONTEXT_EXCHANGES
+from vllm_pcp.knobs import CONTEXT_EXCHANGES
 from vllm_pcp.dcp.layout import (dcp_local_offset, dcp_local_seq_len,
                                  dcp_local_seq_lens_all_ranks, dcp_owner)
 from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, _expand_ranges,

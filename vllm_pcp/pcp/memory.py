@@ -148,7 +148,7 @@ def step_bytes(s: StepShape) -> int:
 
 def widest_step(vllm_config) -> StepShape:
     """The widest split step ``vllm_config``'s scheduler can send, on one rank."""
-    from vllm_pcp.config import PCPKnobs
+    from vllm_pcp.knobs import PCPKnobs
 
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
