@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from vllm_pcp.dcp.plan import AttentionRows, ContextGather, DCPAttentionPlan
-from vllm_pcp.pcp.partition import _expand_ranges, indptr_of
+from vllm_pcp.pcp.partition import expand_ranges, indptr_of
 
 
 def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
@@ -23,7 +23,7 @@ def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
     """
     kv_len = kv_len.numpy().astype(np.int64)
     pages = -(-kv_len // page_size)
-    flat = _expand_ranges(np.arange(len(kv_len)) * block_table.shape[1], pages)
+    flat = expand_ranges(np.arange(len(kv_len)) * block_table.shape[1], pages)
     indices = block_table.reshape(-1).index_select(0, _to(flat, block_table.device))
     last = kv_len - np.maximum(pages - 1, 0) * page_size
     return indptr_of(pages), indices.to(torch.int32), torch.from_numpy(last.astype(np.int32))
@@ -35,7 +35,7 @@ def context_slots(gather: ContextGather, block_table: torch.Tensor,
     ``gather.local_len[g]`` tokens of request ``gather.req[g]``'s shard, request
     after request; both ``[sum local_len]`` int64 on the block table's device."""
     lens = gather.local_len.numpy().astype(np.int64)
-    offsets = _expand_ranges(np.zeros_like(lens), lens)
+    offsets = expand_ranges(np.zeros_like(lens), lens)
     req = np.repeat(gather.req.numpy().astype(np.int64), lens)
     page_of, slot = np.divmod(offsets, page_size)
     flat = _to(req * block_table.shape[1] + page_of, block_table.device)

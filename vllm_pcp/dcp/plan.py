@@ -52,7 +52,7 @@ import torch
 from vllm_pcp.knobs import CONTEXT_EXCHANGES
 from vllm_pcp.dcp.layout import (dcp_local_offset, dcp_local_seq_len,
                                  dcp_local_seq_lens_all_ranks, dcp_owner)
-from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, _expand_ranges,
+from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, expand_ranges,
                                     build_pcp_metadata_all_ranks, indptr_of, split_requests)
 
 
@@ -137,7 +137,7 @@ def _attention_rows(starts: np.ndarray, lens: np.ndarray, reqs: np.ndarray,
                     kv_lens: np.ndarray) -> AttentionRows:
     """Rows reading ``lens[r]`` consecutive buffer rows from ``starts[r]``."""
     return AttentionRows(
-        query_index=torch.from_numpy(_expand_ranges(starts, lens)),
+        query_index=torch.from_numpy(expand_ranges(starts, lens)),
         qo_indptr=indptr_of(lens),
         req=torch.from_numpy(reqs.astype(np.int32)),
         kv_len=torch.from_numpy(kv_lens.astype(np.int32)))
@@ -185,7 +185,7 @@ def _gather_context(computed: np.ndarray, wanted: np.ndarray, world_size: int, r
     if context_exchange == "auto" and num_padded * kv_to_q_heads > num_padded_queries:
         return None, {}
     first = np.cumsum(stored, 1) - stored  # [N, G] a request's first row in a rank's block
-    t = _expand_ranges(np.zeros_like(context), context)  # each request's context tokens
+    t = expand_ranges(np.zeros_like(context), context)  # each request's context tokens
     g = np.repeat(np.arange(len(reqs)), context)
     owner = dcp_owner(t, world_size, interleave)
     rows = owner * num_padded + first[owner, g] + dcp_local_offset(t, world_size, interleave)
@@ -199,7 +199,7 @@ def _new_part(rows_req: np.ndarray, token_start: np.ndarray, new_lens: np.ndarra
     """Each local row's keys for the new-part call: its request's fetched context
     (rows past the step's ``T`` tokens), then its new tokens up to the row end."""
     if not context_rows:
-        index = _expand_ranges(token_start[rows_req], new_lens)
+        index = expand_ranges(token_start[rows_req], new_lens)
         lens = new_lens
     else:
         pieces, lens = [], new_lens.copy()

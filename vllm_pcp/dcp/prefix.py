@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from vllm_pcp.dcp.layout import dcp_local_seq_len
-from vllm_pcp.pcp.partition import _expand_ranges
+from vllm_pcp.pcp.partition import expand_ranges
 
 
 def _entry_ranges(first: np.ndarray, end: np.ndarray, block_size: int, world_size: int,
@@ -60,7 +60,7 @@ def _block_ids(table: np.ndarray, reqs: np.ndarray, start: np.ndarray,
     ``reqs[k]`` of ``table``, flat ``[E]`` int64 each."""
     lens = stop - start
     req = np.repeat(reqs, lens)
-    return req, table[req, _expand_ranges(start, lens)].astype(np.int64)
+    return req, table[req, expand_ranges(start, lens)].astype(np.int64)
 
 
 def _count_in(sorted_values: np.ndarray, values: np.ndarray) -> np.ndarray:

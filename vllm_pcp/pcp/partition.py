@@ -147,7 +147,7 @@ def indptr_of(lens) -> torch.Tensor:
     return torch.from_numpy(out.astype(np.int32))
 
 
-def _expand_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+def expand_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Concatenate ``arange(s, s + n)`` for every (s, n) pair."""
     total = int(lens.sum())
     if total == 0:
@@ -280,7 +280,7 @@ def build_pcp_metadata_all_ranks(
                         decode_threshold)
         for r in range(pcp_world_size)
     ]
-    local_tokens = [_expand_ranges(rw.token_start, rw.q_len) for rw in rows]
+    local_tokens = [expand_ranges(rw.token_start, rw.q_len) for rw in rows]
     counts = tuple(len(t) for t in local_tokens)
     padded = max(counts) if counts else 0
     restore, gathered = _gathered_layout(local_tokens, np.repeat(~split, scheduled), padded)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_pcp.pcp.partition import PrefillContextParallelMetadata, _expand_ranges, indptr_of
+from vllm_pcp.pcp.partition import PrefillContextParallelMetadata, expand_ranges, indptr_of
 
 
 def is_fresh_step(num_computed_tokens: Sequence[int]) -> bool:
@@ -64,7 +64,7 @@ def ragged_kv_rows(plan: PrefillContextParallelMetadata,
     token_start = np.cumsum(scheduled) - scheduled
     rows_req = plan.row_req_indices.numpy().astype(np.int64)
     kv_lens = plan.seq_lens.numpy().astype(np.int64)
-    tokens = _expand_ranges(token_start[rows_req], kv_lens)
+    tokens = expand_ranges(token_start[rows_req], kv_lens)
     kv_rows = plan.restore_indices[torch.from_numpy(tokens)] if len(tokens) else \
         torch.zeros(0, dtype=torch.int64)
     return kv_rows, indptr_of(kv_lens)
