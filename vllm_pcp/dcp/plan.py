@@ -49,11 +49,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_pcp.knobs import CONTEXT_EXCHANGES
 from vllm_pcp.dcp.layout import (dcp_local_offset, dcp_local_seq_len,
                                  dcp_local_seq_lens_all_ranks, dcp_owner)
-from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata, expand_ranges,
-                                    build_pcp_metadata_all_ranks, indptr_of, split_requests)
+from vllm_pcp.knobs import CONTEXT_EXCHANGES
+from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata,
+                                    build_pcp_metadata_all_ranks, expand_ranges, indptr_of,
+                                    split_requests)
 
 
 @dataclass(frozen=True)
