@@ -85,6 +85,7 @@ LAYOUTS: dict[str, Layout] = {
     "pcp2-paged": Layout(pcp=2, knobs={"pcp_split_attention": "paged"}),
     "pcp2-graphs": Layout(pcp=2, cuda_graphs=True),
     "pcp2-ray": Layout(pcp=2, ray=True),
+    "pcp2-dcp2-i1-ray": _dcp(1, ray=True),
     "pcp2-min8k": Layout(pcp=2, knobs={"pcp_min_split_tokens": 8192}),
     # every prompt split, the short chat and gsm8k prompts too (the default keeps them whole)
     "pcp2-split-all": Layout(pcp=2, knobs={"pcp_min_split_tokens": 2}),

@@ -41,7 +41,7 @@ JOBS = {  # (model, variant, layout) -> the case groups of its engine
     # several ranks
     **_each(R, "pcp2 pcp2-paged pcp2-dcp2-i8 pcp4", F), **_each(R, "tp2-pcp2", F + ",agreement"),
     **_each(R, "tp2-pcp2-dcp2-i1 pcp4-dcp4-i8 pcp8 pcp2-graphs pcp2-dcp2-i8-graphs "
-               "pcp2-ray pcp2-dcp2-i1 pcp2-dcp2-i16"),
+               "pcp2-ray pcp2-dcp2-i1-ray pcp2-dcp2-i1 pcp2-dcp2-i16"),
     **_each(R, "pcp2 pcp2-dcp2-i8 pcp4", variant="unchunked"),
     # the test plan of vLLM's GQA FlashInfer PCP pull request (36 layers), and the same 8 ranks
     # on the 4-layer shape, which one GPU holding every rank can finish
