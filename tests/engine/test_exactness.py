@@ -48,7 +48,7 @@ JOBS = {  # (model, variant, layout) -> the case groups of its engine
     **_each(R + "-full", "tp4-pcp2-dcp2-i8"), **_each(R, "tp4-pcp2-dcp2-i8", "standard,agreement"),
     **_each(S, "pcp2 pcp2-dcp2-i1 pcp4", F), **_each(S, "pcp2-dcp2-i16 pcp4-dcp4-i1 pcp8"),
     **_each(S, "pcp2", variant="unchunked"),
-    **_each(M, "pcp2 tp2-dcp2-i8 tp2-pcp2 tp2-pcp2-dcp2-i1"),
+    **_each(M, "pcp2 tp2-dcp2-i1 tp2-dcp2-i8 tp2-pcp2 tp2-pcp2-dcp2-i1"),
     **_each(E, "pcp2", F), **_each(E, "pcp2-dcp2-i1"),
     # the feature cases' own engines: forced context exchanges, preemption, fp8
     **_each(R, "pcp2-dcp2-i1-queries pcp2-dcp2-i1-keys pcp2-dcp2-i16-queries "
