@@ -159,3 +159,20 @@ def test_feature_floor_rows_make_a_file_that_cuts_back_into_them(tmp_path):
     cut = {r["kind"]: r for r in rows.committed_rows(str(tmp_path / "out"))}
     assert cut["floor"]["features"] == floor and cut["floor"]["key"][2] == "pcp1-flash-attn"
     assert cut["features"]["cases"] == made["features"][2]["cases"]
+
+
+def test_engines_under_mps_are_named_and_stay_named_once_cut_back(tmp_path):
+    """``meta.ranks_shared_gpus.mps_configs`` lists the shared engines that ran under an MPS
+    daemon, and a file cut back into rows keeps them apart from the time-sliced ones."""
+    (tmp_path / "rows").mkdir()
+    row = {**_committed_rows()[0], "session": "s", "command": "c", "runs": [
+        {"model": "m", "variant": "v", "config": c, "git_rev": "aaa", "shared_gpus": "1",
+         "mps": mps} for c, mps in (("pcp2", True), ("pcp4", False))]}
+    (tmp_path / "rows" / "r.json").write_text(json.dumps(row))
+    written = rows.write_results(str(tmp_path), str(tmp_path / "out"), "s", host={"gpu": "g"})
+    shared = json.loads(open(written[0]).read())["meta"]["ranks_shared_gpus"]
+    assert (shared["configs"], shared["mps_configs"]) == (["pcp2", "pcp4"], ["pcp2"])
+    assert "MPS" in shared["note"]
+    again = rows.meta_extra(rows.committed_rows(str(tmp_path / "out")))["ranks_shared_gpus"]
+    assert again["mps_configs"] == ["pcp2"]
+    assert "mps_configs" not in rows.results.shared_gpus({"pcp2": "1"}, ["pcp1"])

@@ -211,3 +211,45 @@ def test_vllm_reads_the_variables_the_harness_sets():
     # Ray: one GPU per rank in vLLM's placement group, hence a head declaring `world` GPUs
     assert "{device_str: 1.0} for _ in range(parallel_config.world_size)" in \
         inspect.getsource(ray_utils.initialize_ray_cluster)
+
+
+FAKE_MPS_CONTROL = """#!/bin/sh
+# nvidia-cuda-mps-control's two uses here: -d starts the daemon, "quit" on stdin ends it
+echo "$@ $(cat 2>/dev/null)" >> "$CUDA_MPS_PIPE_DIRECTORY/calls"
+if [ "$1" = -d ]; then touch "$CUDA_MPS_PIPE_DIRECTORY/control"; else rm "$CUDA_MPS_PIPE_DIRECTORY/control"; fi
+"""
+
+
+def test_mps_starts_once_in_its_pipe_folder_and_quits(tmp_path, monkeypatch):
+    """``mps start`` runs the control daemon in the caller's pipe folder (not twice) and
+    prints the variable that points engines at it; ``mps stop`` quits it."""
+    bin_dir, pipe = tmp_path / "bin", tmp_path / "pipe"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-cuda-mps-control").write_text(FAKE_MPS_CONTROL)
+    (bin_dir / "nvidia-cuda-mps-control").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
+    assert not shared_gpu.mps_serves()
+    cli = [sys.executable, shared_gpu.__file__, "mps"]
+    out = subprocess.run([*cli, "start"], capture_output=True, text=True, check=True).stdout
+    assert out == f"export CUDA_MPS_PIPE_DIRECTORY={pipe}\n" and shared_gpu.mps_serves()
+    subprocess.run([*cli, "start"], check=True)
+    subprocess.run([*cli, "stop"], check=True)
+    assert not shared_gpu.mps_serves()
+    assert (pipe / "calls").read_text().split("\n")[:2] == ["-d ", " quit"]
+    assert plugin.mps_pipe_dir({}) == "/tmp/nvidia-mps"  # CUDA's default
+
+
+def test_the_probe_times_pairs_of_ranks_and_compares_mps(tmp_path):
+    """The probe's ranks on gloo (CPU): each reports its collectives and step; the summary
+    takes the slowest rank per run and the time-sliced / MPS ratio."""
+    import probe_shared_gpu as probe
+
+    run = probe.probe(1, str(tmp_path), backend="gloo", port=29650)
+    assert run["pairs"] == 1 and not run["mps"] and [r["rank"] for r in run["ranks"]] == [0, 1]
+    assert all(r["step_30_layers_ms"] > 0 and r["all_gather_4MiB"]["median_ms"] > 0
+               for r in run["ranks"])
+    runs = [{"pairs": 3, "mps": mps, "ranks": [{"step_30_layers_ms": t}, {"step_30_layers_ms": 2}]}
+            for mps, t in ((False, 270.0), (True, 3.0))]
+    assert probe.summarize(runs) == {"slowest_step_30_layers_ms": {
+        "time-sliced-3": 270.0, "mps-3": 3.0}, "mps_speedup_3_pairs": 90.0}

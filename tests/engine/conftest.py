@@ -31,7 +31,7 @@ def record(request):
                "git_rev": results.git_rev(), "command": command,
                "session": os.environ.get(engines.SESSION_VAR),
                "runs": [{k: r.get(k) for k in ("model", "variant", "config", "git_rev",
-                                               "shared_gpus")} for r in runs], **judged}
+                                               "shared_gpus", "mps")} for r in runs], **judged}
         name = _file_name(row["test"]) + ".json"
         path = Path(request.config.getoption("--engine-work-dir"), "rows", name)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -110,6 +110,8 @@ def _run(job: Job, work_dir: str, path: str) -> dict:
                 "log_tail": text[-6000:]}
     if os.path.exists(out):  # a failed run may have saved a part
         entry.update(json.loads(Path(out).read_text()))
+    if entry.get("shared_gpus"):  # its ranks shared GPUs: side by side, or time-sliced
+        entry["mps"] = shared_gpu.mps_serves(env)
     if returncode:
         entry.update(errors=judge.error_lines(text), log_tail=text[-6000:])
     return entry

@@ -48,15 +48,21 @@ def pytest_command(config=None) -> str:
 
 SHARED_NOTE = ("every rank of these engines ran on the same GPU(s) and talked over "
                "NCCL's network transport on the loopback interface: outputs, not speed")
+MPS_NOTE = ("mps_configs: those whose ranks ran under an MPS control daemon, their kernels "
+            "side by side; the others' ranks took turns on the GPU (time slices)")
 
 
-def shared_gpus(by_config: dict) -> dict | None:
-    """``meta.ranks_shared_gpus`` from ``{config: GPUs its ranks shared}`` (those that did):
-    the most GPUs, the configurations, what it means; None if no ranks shared."""
+def shared_gpus(by_config: dict, mps=()) -> dict | None:
+    """``meta.ranks_shared_gpus`` from ``{config: GPUs its ranks shared}`` (those that did)
+    and the configs of those that ran under MPS: the most GPUs, the configurations, what it
+    means; None if no ranks shared."""
     shared = {c: int(n) for c, n in by_config.items() if n}
     if not shared:
         return None
-    return {"gpus": max(shared.values()), "configs": sorted(shared), "note": SHARED_NOTE}
+    out = {"gpus": max(shared.values()), "configs": sorted(shared), "note": SHARED_NOTE}
+    if mps_configs := sorted(set(mps) & set(shared)):
+        out.update(mps_configs=mps_configs, note=f"{SHARED_NOTE}; {MPS_NOTE}")
+    return out
 
 
 def meta(command: str | None = None, host: dict | None = None, **extra) -> dict:

@@ -23,6 +23,7 @@ def meta_extra(rows: list[dict]) -> dict:
     ``commands`` where rows came from more than one."""
     runs = [r for row in rows for r in row["runs"]]
     shared = {r["config"]: r["shared_gpus"] for r in runs if r.get("shared_gpus")}
+    mps = {r["config"] for r in runs if r.get("shared_gpus") and r.get("mps")}
     revs: dict[str, set] = {}
     for run in runs:
         for rev in run.get("git_revs") or [run.get("git_rev") or "unknown"]:
@@ -33,7 +34,7 @@ def meta_extra(rows: list[dict]) -> dict:
     if len(commands) > 1:
         extra["commands"] = commands
     if shared:
-        extra["ranks_shared_gpus"] = results.shared_gpus(shared)
+        extra["ranks_shared_gpus"] = results.shared_gpus(shared, mps)
     if len(by_rev) > 1:
         extra["runs_by_git_rev"] = by_rev
     return extra
@@ -215,7 +216,8 @@ def _adder(out: dict, meta: dict):
         listed = revs.get(f"{model}:{variant}:{config}") or [meta.get("git_rev")]
         return {"model": model, "variant": variant, "config": config, "git_rev": listed[-1],
                 "git_revs": listed if len(listed) > 1 else None,
-                "shared_gpus": str(shared["gpus"]) if config in shared.get("configs", ()) else None}
+                "shared_gpus": str(shared["gpus"]) if config in shared.get("configs", ()) else None,
+                "mps": config in shared.get("mps_configs", ())}
 
     def add(kind, key, base=None, /, **fields):
         runs = [run(*key)] + ([run(*key[:2], base)] if base else [])

@@ -353,6 +353,7 @@ def write_result(request, name: str, assemble, **meta) -> None:
     stem = Path(run_dir(request), name.removesuffix(".json"))
     with filelock.FileLock(f"{stem}.lock"):
         parts = [json.loads(path.read_text()) for path in sorted(stem.glob("*.json"))]
-        shared = results.shared_gpus({p["layout"]: p.get("ranks_shared_gpus") for p in parts})
+        shared = results.shared_gpus({p["layout"]: p.get("ranks_shared_gpus") for p in parts},
+                                     [p["layout"] for p in parts if p.get("mps")])
         results.write(out, name, {"meta": results.meta(command, ranks_shared_gpus=shared, **meta),
                                   **assemble(parts)})

@@ -7,18 +7,27 @@ share them and talk over NCCL's network transport, as ranks on different hosts w
 That checks outputs, never speed. The engine must be given ``kv_cache_memory_bytes``
 (``--kv-cache-memory-bytes``) and a low ``gpu_memory_utilization``.
 
+Ranks that share a GPU run far faster under an MPS control daemon (NVIDIA's Multi-Process
+Service: all processes' kernels side by side instead of time slices; measured by
+``probe_shared_gpu.py``). ``mps start`` runs one for this host's GPUs (its pipe folder:
+``CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``); engines started afterwards with
+that variable use it, and their result files list them under ``mps_configs``.
+
     python3 tests/engine/shared_gpu.py env [auto|force]   # `export K=V` lines for bash
+    python3 tests/engine/shared_gpu.py mps start|stop     # `export K=V` lines for bash
     env = {**os.environ, **shared_gpu.env()}                 # Python
 """
 from __future__ import annotations
 
 import os
 import shlex
+import subprocess
 import sys
 
 PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shared_gpu_plugin")
 sys.path.insert(0, PLUGIN_DIR)
-from vllm_pcp_shared_gpu import ENGAGED_VAR, MODE_VAR, engages  # noqa: E402,F401
+from vllm_pcp_shared_gpu import (ENGAGED_VAR, MODE_VAR, MPS_PIPE_VAR, engages,  # noqa: E402,F401
+                                 mps_pipe_dir, mps_serves)
 
 MODES = ("auto", "force")
 
@@ -35,11 +44,42 @@ def env(mode: str | None = None, base: dict | None = None) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([PLUGIN_DIR, *path]), MODE_VAR: mode}
 
 
+def _mps_control(pipe_dir: str, *args: str, text: str | None = None) -> None:
+    log_dir = os.path.join(pipe_dir, "log")
+    os.makedirs(log_dir, exist_ok=True)
+    subprocess.run(["nvidia-cuda-mps-control", *args], input=text or "", text=True, check=True,
+                   env={**os.environ, MPS_PIPE_VAR: pipe_dir,
+                        "CUDA_MPS_LOG_DIRECTORY": log_dir})
+
+
+def start_mps(pipe_dir: str | None = None) -> dict[str, str]:
+    """An MPS control daemon listening in ``pipe_dir`` (the caller's, else CUDA's default),
+    unless one does; the variable that points CUDA processes at it."""
+    pipe_dir = pipe_dir or mps_pipe_dir()
+    if not mps_serves({MPS_PIPE_VAR: pipe_dir}):
+        _mps_control(pipe_dir, "-d")
+    return {MPS_PIPE_VAR: pipe_dir}
+
+
+def stop_mps(pipe_dir: str | None = None) -> None:
+    """Quit the daemon of ``pipe_dir``, after its engines end: their kernels run in it."""
+    pipe_dir = pipe_dir or mps_pipe_dir()
+    if mps_serves({MPS_PIPE_VAR: pipe_dir}):
+        _mps_control(pipe_dir, text="quit\n")
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] != "env" or len(argv) > 2:
+    if argv[:2] == ["mps", "start"] and len(argv) == 2:
+        variables = start_mps()
+    elif argv[:2] == ["mps", "stop"] and len(argv) == 2:
+        stop_mps()
+        variables = {}
+    elif argv[:1] == ["env"] and len(argv) <= 2:
+        variables = env(argv[1] if len(argv) == 2 else None)
+    else:
         print(__doc__, file=sys.stderr)
         return 2
-    for key, value in env(argv[1] if len(argv) == 2 else None).items():
+    for key, value in variables.items():
         print(f"export {key}={shlex.quote(value)}")
     return 0
 

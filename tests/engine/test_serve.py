@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import serve
+import shared_gpu
 from layouts import LAYOUTS, gpus
 
 pytestmark = [pytest.mark.gpu,
@@ -50,8 +51,9 @@ def on_server(request, layout, model, what, flags, ask, env=None) -> dict:
     if not os.path.exists(model):
         pytest.skip(f"{model} missing (VLLM_PCP_MODELS_DIR)")
     count = torch.cuda.device_count()  # the GPUs its ranks shared, where they did
-    head = {"layout": layout, "ranks_shared_gpus": min(gpus(layout), count) if gpus(layout) > count
-            else None}
+    shares = gpus(layout) > count
+    head = {"layout": layout, "ranks_shared_gpus": min(gpus(layout), count) if shares else None,
+            "mps": shared_gpu.mps_serves() if shares else None}
     log = os.path.join(serve.run_dir(request), f"{what}-{layout}.log")
     try:
         with serve.serve(layout, model, log, *flags, env=env) as server:

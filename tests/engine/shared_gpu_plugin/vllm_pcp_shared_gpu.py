@@ -22,7 +22,10 @@ engine, as it loads vllm-pcp itself:
   its network transport on the loopback interface. Ray workers fold the GPU ids Ray
   hands out onto the GPUs that exist.
 
-Ranks that share a GPU check outputs, never speed.
+Ranks that share a GPU check outputs, never speed. Without an MPS control daemon (NVIDIA's
+Multi-Process Service) the GPU time-slices between the ranks' processes, and every collective
+waits for the other rank's turn; with one, their kernels run side by side
+(``tests/engine/shared_gpu.py mps start``). :func:`mps_serves` says which it is.
 
 One more switch for the checks, off unless set: ``VLLM_PCP_TEST_ACCEPT_KV_DTYPES``
 (comma-separated, e.g. ``fp8_e5m2``) lets ``-pcp`` engines take KV cache dtypes the plugin
@@ -35,6 +38,7 @@ import os
 MODE_VAR = "VLLM_PCP_TEST_SHARE_GPUS"  # off (unset) | auto | force
 ENGAGED_VAR = "VLLM_PCP_TEST_SHARED_GPUS_ENGAGED"  # the GPU count, set once engaged
 ACCEPT_KV_DTYPES_VAR = "VLLM_PCP_TEST_ACCEPT_KV_DTYPES"  # e.g. "fp8_e5m2": -pcp takes them
+MPS_PIPE_VAR, MPS_PIPE_DEFAULT = "CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"  # CUDA's own
 
 _registered = False
 
@@ -72,6 +76,17 @@ def shared_device_ids(world_size: int, visible: list[int]) -> list[int]:
     return [visible[i % len(visible)] for i in range(world_size)]
 
 
+def mps_pipe_dir(env=None) -> str:
+    """Where a CUDA process of ``env`` (this one's) looks for an MPS control daemon."""
+    return (os.environ if env is None else env).get(MPS_PIPE_VAR) or MPS_PIPE_DEFAULT
+
+
+def mps_serves(env=None) -> bool:
+    """Whether an MPS control daemon listens where a CUDA process of ``env`` looks for one
+    (its ``control`` pipe exists): then the ranks' kernels run side by side."""
+    return os.path.exists(os.path.join(mps_pipe_dir(env), "control"))
+
+
 def engages(mode: str, world_size: int, gpus: int) -> bool:
     return mode == "force" or (mode == "auto" and world_size > gpus)
 
@@ -106,8 +121,10 @@ def engage(args, world_size: int, gpus: int) -> None:
         _start_ray(world_size)
     init_logger("vllm.vllm_pcp.tests.shared_gpu").warning(
         "vllm-pcp test harness: %d ranks share %d GPU(s) (GPU ids %s), NCCL over its "
-        "network transport on lo: outputs are checked this way, never speed",
-        world_size, gpus, args._pcp_shared_device_ids)
+        "network transport on lo, %s: outputs are checked this way, never speed",
+        world_size, gpus, args._pcp_shared_device_ids,
+        "under MPS" if mps_serves() else "time-sliced (no MPS daemon at "
+        f"{mps_pipe_dir()}: `tests/engine/shared_gpu.py mps start` runs one)")
 
 
 def _start_ray(world_size: int) -> None:
