@@ -234,6 +234,7 @@ def test_mps_starts_once_in_its_pipe_folder_and_quits(tmp_path, monkeypatch):
     out = subprocess.run([*cli, "start"], capture_output=True, text=True, check=True).stdout
     assert out == f"export CUDA_MPS_PIPE_DIRECTORY={pipe}\n" and shared_gpu.mps_serves()
     subprocess.run([*cli, "start"], check=True)
+    assert not shared_gpu.mps_serves(shared_gpu.without_mps())  # the dead-rank check's engine
     subprocess.run([*cli, "stop"], check=True)
     assert not shared_gpu.mps_serves()
     assert (pipe / "calls").read_text().split("\n")[:2] == ["-d ", " quit"]
@@ -253,3 +254,24 @@ def test_the_probe_times_pairs_of_ranks_and_compares_mps(tmp_path):
             for mps, t in ((False, 270.0), (True, 3.0))]
     assert probe.summarize(runs) == {"slowest_step_30_layers_ms": {
         "time-sliced-3": 270.0, "mps-3": 3.0}, "mps_speedup_3_pairs": 90.0}
+
+
+def test_the_dead_rank_check_runs_its_engine_outside_mps(monkeypatch, tmp_path):
+    """The faults check kills a rank of its layout's server: that server's CUDA finds no MPS
+    daemon, so the kill cannot reach engines beside it; its -pcp 1 reference stays as set."""
+    import test_serve
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    (tmp_path / "control").touch()  # a daemon listens where this process looks
+    seen = {}
+
+    def on_server(request, layout, model, what, flags, ask, env=None):
+        seen[layout] = env
+        return {"goals": {"met": True}}
+
+    monkeypatch.setattr(test_serve, "on_server", on_server)
+    monkeypatch.setattr(test_serve.serve, "cached", lambda request, name, compute: compute())
+    monkeypatch.setattr(test_serve.serve, "write_result", lambda *a, **k: None)
+    test_serve.test_bad_requests_and_dead_rank(None, "pcp2-split-all")
+    assert seen["pcp1-v1"] is None and shared_gpu.mps_serves()
+    assert not shared_gpu.mps_serves({**os.environ, **seen["pcp2-split-all"]})

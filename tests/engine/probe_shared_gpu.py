@@ -112,7 +112,7 @@ def main() -> int:
     ap.add_argument("--mps-pipe", default=None, help="the daemon's pipe folder (a new one)")
     ap.add_argument("--keep-mps", action="store_true")
     args = ap.parse_args()
-    no_daemon = tempfile.mkdtemp(prefix="no-mps-")  # a pipe folder no daemon listens in
+    no_daemon = shared_gpu.without_mps()[shared_gpu.MPS_PIPE_VAR]
     runs = [probe(pairs, no_daemon) for pairs in (1, 3)]
     pipe = args.mps_pipe or tempfile.mkdtemp(prefix="mps-probe-")
     if shutil.which("nvidia-cuda-mps-control"):

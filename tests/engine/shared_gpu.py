@@ -11,7 +11,8 @@ Ranks that share a GPU run far faster under an MPS control daemon (NVIDIA's Mult
 Service: all processes' kernels side by side instead of time slices; measured by
 ``probe_shared_gpu.py``). ``mps start`` runs one for this host's GPUs (its pipe folder:
 ``CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``); engines started afterwards with
-that variable use it, and their result files list them under ``mps_configs``.
+that variable use it, and their result files list them under ``mps_configs``. An engine
+whose rank a check kills runs outside it (:func:`without_mps`).
 
     python3 tests/engine/shared_gpu.py env [auto|force]   # `export K=V` lines for bash
     python3 tests/engine/shared_gpu.py mps start|stop     # `export K=V` lines for bash
@@ -23,6 +24,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 
 PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shared_gpu_plugin")
 sys.path.insert(0, PLUGIN_DIR)
@@ -42,6 +44,14 @@ def env(mode: str | None = None, base: dict | None = None) -> dict[str, str]:
         raise ValueError(f"{MODE_VAR}={mode!r}: one of {', '.join(MODES)}")
     path = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != PLUGIN_DIR]
     return {"PYTHONPATH": os.pathsep.join([PLUGIN_DIR, *path]), MODE_VAR: mode}
+
+
+def without_mps() -> dict[str, str]:
+    """The variable that keeps an engine's CUDA off any MPS daemon (a pipe folder where none
+    listens: CUDA then runs as without MPS). For an engine whose rank a check kills: NVIDIA's
+    MPS does not support ending a client that has GPU work outstanding, and a fault it leaves
+    reaches every client of the daemon's server, every engine beside it included."""
+    return {MPS_PIPE_VAR: tempfile.mkdtemp(prefix="vllm-pcp-no-mps-")}
 
 
 def _mps_control(pipe_dir: str, *args: str, text: str | None = None) -> None:

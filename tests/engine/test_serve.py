@@ -53,7 +53,7 @@ def on_server(request, layout, model, what, flags, ask, env=None) -> dict:
     count = torch.cuda.device_count()  # the GPUs its ranks shared, where they did
     shares = gpus(layout) > count
     head = {"layout": layout, "ranks_shared_gpus": min(gpus(layout), count) if shares else None,
-            "mps": shared_gpu.mps_serves() if shares else None}
+            "mps": shared_gpu.mps_serves({**os.environ, **(env or {})}) if shares else None}
     log = os.path.join(serve.run_dir(request), f"{what}-{layout}.log")
     try:
         with serve.serve(layout, model, log, *flags, env=env) as server:
@@ -167,9 +167,9 @@ def test_bad_requests_and_dead_rank(request, layout):
 
     runs = [serve.cached(request, "serve-faults/pcp1-v1", lambda: on_server(
         request, "pcp1-v1", QWEN, "faults", FAULT_FLAGS, lambda s: bad_requests(s, None)))]
-    if layout != "pcp1-v1":
+    if layout != "pcp1-v1":  # its rank is killed: outside any MPS daemon (shared_gpu.py)
         runs.append(serve.cached(request, f"serve-faults/{layout}", lambda: on_server(
-            request, layout, QWEN, "faults", FAULT_FLAGS, faults)))
+            request, layout, QWEN, "faults", FAULT_FLAGS, faults, shared_gpu.without_mps())))
     serve.write_result(request, "serve-faults.json", serve.goals_file)
     for run in runs:
         assert run["goals"] and all(run["goals"].values()), run.get("error") or run["goals"]
