@@ -114,8 +114,8 @@ def main() -> int:
     args = ap.parse_args()
     no_daemon = shared_gpu.without_mps()[shared_gpu.MPS_PIPE_VAR]
     runs = [probe(pairs, no_daemon) for pairs in (1, 3)]
-    pipe = args.mps_pipe or tempfile.mkdtemp(prefix="mps-probe-")
-    if shutil.which("nvidia-cuda-mps-control"):
+    if shutil.which("nvidia-cuda-mps-control"):  # else the runs say time-sliced only
+        pipe = args.mps_pipe or tempfile.mkdtemp(prefix="mps-probe-")
         shared_gpu.start_mps(pipe)
         try:
             runs += [probe(pairs, pipe) for pairs in (1, 3)]
