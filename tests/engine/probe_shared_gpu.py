@@ -47,8 +47,8 @@ def rank_main(pair: int, rank: int, port: int, queue, backend: str = "nccl") -> 
     import torch
     import torch.distributed as dist
 
-    os.environ.update(NCCL_HOSTID=f"probe-{pair}-{rank}-{os.getpid()}", NCCL_SOCKET_IFNAME="lo",
-                      NCCL_NVLS_ENABLE="0")
+    shared_gpu.give_nccl_own_host()  # as the harness's plugin does in every engine process
+    os.environ.update(NCCL_SOCKET_IFNAME="lo", NCCL_NVLS_ENABLE="0")
     device, sync = ("cuda", torch.cuda.synchronize) if backend == "nccl" else ("cpu", lambda: 0)
     if device == "cuda":
         torch.cuda.set_device(0)
