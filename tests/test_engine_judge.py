@@ -37,6 +37,23 @@ def test_the_top5_rule_and_cases_the_baseline_ran_otherwise():
     assert [(c["case"], c["passed"], c["errors"]) for c in failed] == [("engine", False, ["E: x"])]
 
 
+def test_a_case_that_fails_the_top5_rule_keeps_the_evidence_of_its_divergence():
+    """Which prompt of the case, where, both tokens and both top-k: what tells a near tie
+    from a wrong token without the raw outputs."""
+    a = {"token_ids": [5, 3], "logprobs": [{"5": -0.1}, {"3": -0.5, "8": -0.7}]}
+    b = {"token_ids": [5, 8], "logprobs": [{"5": -0.1}, {"8": -0.6, "7": -0.7}]}
+    out = judge.compare_outputs(a, b, 5)
+    assert not out["passed"] and out["divergence"] == {
+        "position": 1, "token": 3, "baseline_token": 8, "top": [(3, -0.5), (8, -0.7)],
+        "baseline_top": [(8, -0.6), (7, -0.7)]}
+    assert "divergence" not in judge.compare_outputs(b, b)
+    res = [{"case": "burst", "prompt_lens": [7, 7], "outputs": [b, a]}]
+    base = _run("results", [{**res[0], "outputs": [b, b]}])
+    [case], _ = judge.compare_run("m", "l", _run("results", res), base)
+    assert not case["passed"]
+    assert case["failed_divergences"] == [{"prompt": 1, **out["divergence"]}]
+
+
 def _feature(kind, outputs, base_outputs, **extra):
     res = {"case": kind, "kind": kind, "prompt_lens": [7], **extra}
     base = {**res, "outputs": base_outputs, **({"preemptions": 2} if extra else {})}
@@ -192,3 +209,13 @@ def test_a_feature_floor_excuses_what_one_gpu_fails_but_never_exact_seeded_sampl
     assert t.tolerated("pcp2-paged", set()) == set()
     assert ("smollm2", "chunked", t.FEATURE_FLOOR) in t.JOBS
     assert "features" in t.JOBS[("smollm2", "chunked", t.FLOORS[t.FEATURE_FLOOR])]
+
+
+def test_every_teacher_judged_model_has_its_one_gpu_floors_as_jobs():
+    """test_teacher holds a layout to its model's larger one-GPU floor: each model it judges
+    has both floor jobs, so no teacher-forced verdict rests on a missing floor."""
+    import test_exactness as t
+
+    assert t.TEACHER_KEYS
+    for key in t.TEACHER_KEYS:
+        assert set(judge.GOAL_FLOORS) <= set(t.floor_keys(key)), key

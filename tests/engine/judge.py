@@ -22,9 +22,13 @@ def _row(model: str, label: str, case: str, prompt_lens: list, **fields) -> dict
 def compare_outputs(a: dict, b: dict, top_k: int = 5) -> dict:
     """vLLM's ``check_logprobs_close`` of two greedy outputs: passed if identical, or if at
     the first divergence each token is in the other's top-k; ``baseline_margin`` there: how
-    much more ``b`` (the baseline) preferred its token to ``a``'s (small: a near tie)."""
+    much more ``b`` (the baseline) preferred its token to ``a``'s (small: a near tie). A
+    failed divergence keeps its evidence (``divergence``: both tokens, both top-k)."""
+    def ranked(logprobs: dict) -> list[tuple[int, float]]:
+        return [(int(t), v) for t, v in sorted(logprobs.items(), key=lambda kv: -kv[1])[:top_k]]
+
     def top(logprobs: dict) -> set[int]:
-        return {int(t) for t, _ in sorted(logprobs.items(), key=lambda kv: -kv[1])[:top_k]}
+        return {t for t, _ in ranked(logprobs)}
 
     ta, tb, la, lb = a["token_ids"], b["token_ids"], a["logprobs"], b["logprobs"]
     shorter = min(len(ta), len(tb))
@@ -38,6 +42,9 @@ def compare_outputs(a: dict, b: dict, top_k: int = 5) -> dict:
            "passed": bool(passed)}
     if passed and first is not None:
         out["baseline_margin"] = round(lb[first][str(tb[first])] - lb[first][str(ta[first])], 6)
+    elif not passed and first < shorter:
+        out["divergence"] = {"position": first, "token": ta[first], "baseline_token": tb[first],
+                             "top": ranked(la[first]), "baseline_top": ranked(lb[first])}
     return out
 
 
@@ -81,6 +88,9 @@ def compare_run(model: str, label: str, run: dict, base: dict,
         row.update(first_divergence=min(diverged, default=None),
                    max_abs_logprob_diff=max(p["max_abs_logprob_diff"] for p in per),
                    passed=all(p["passed"] for p in per))
+        if failed_at := [{"prompt": i, **p["divergence"]} for i, p in enumerate(per)
+                         if "divergence" in p]:
+            row["failed_divergences"] = failed_at
         margins = [p["baseline_margin"] for p in per if "baseline_margin" in p]
         cases.append({**row, "max_baseline_margin": max(margins)} if margins else row)
     return cases, skipped

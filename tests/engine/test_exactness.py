@@ -34,7 +34,8 @@ JOBS = {  # (model, variant, layout) -> the case groups of its engine
     **_each(R + "-full", "pcp1-v1"), **_each(R, "pcp1-v1-graphs"),
     **_each(R, "pcp1-v1-fp8", "features"), **_each(R, "pcp1-v1-preempt", "preemption"),
     # the one-GPU floors, and vLLM's own expert sharding
-    **{k: v for m in (R, S, M, E) for k, v in _each(m, "pcp1 pcp1-graphs pcp1-flash-attn").items()},
+    **{k: v for m in (R, S, M, E, R + "-full")
+       for k, v in _each(m, "pcp1 pcp1-graphs pcp1-flash-attn").items()},
     # the feature cases' floor on real weights: one GPU against itself on another kernel
     **_each(S, f"pcp1 {FEATURE_FLOOR}", F),
     **_each(E, "tp2", F),  # the floor of the MoE feature cases too
@@ -142,19 +143,27 @@ def test_floor(key, engine, record):
     assert teacher is None or teacher["pooled"] is not None, teacher["cases"][0]
 
 
-@pytest.mark.parametrize("key", _params(
-    k for k in STANDARD if k[1] == "chunked" and layouts.baseline(k[2])
-    and k[2] not in judge.TEACHER_FLOORS))
+TEACHER_KEYS = [k for k in STANDARD if k[1] == "chunked" and layouts.baseline(k[2])
+                and k[2] not in judge.TEACHER_FLOORS]
+
+
+def floor_keys(key: tuple) -> dict[str, tuple]:
+    """The jobs of ``key``'s model that are its teacher-forced floors, by layout."""
+    return {c: key[:2] + (c,) for c in judge.TEACHER_FLOORS if key[:2] + (c,) in JOBS}
+
+
+@pytest.mark.parametrize("key", _params(TEACHER_KEYS))
 def test_teacher(key, engine, record):
     """Teacher-forced: max and p99 at most the goal's factor times the model's larger one-GPU
     floor, no position over 1.0 (a MoE model: no more than its -tp 2 floor)."""
     runs, row = _teacher(engine, key)
     record("teacher", key, runs, **row)
-    floors = {c: _teacher(engine, key[:2] + (c,), key[:2] + (b,))[1]["pooled"]
-              for c, b in judge.TEACHER_FLOORS.items() if key[:2] + (c,) in JOBS}
+    floors = {c: _teacher(engine, k, key[:2] + (judge.TEACHER_FLOORS[c],))[1]["pooled"]
+              for c, k in floor_keys(key).items()}
     factors = {key[2]: judge.TEACHER_GOALS[key[2]]} if key[2] in judge.TEACHER_GOALS else {}
     goal = judge.teacher_goal(floors, {key[2]: row["pooled"]}, factors)
     assert row["pooled"] is not None, row["cases"][0]
+    assert goal["larger_floor"] is not None, f"no one-GPU floor of {key[0]} ran: {floors}"
     assert goal.get(key[2]) is not False, (row["pooled"], goal["larger_floor"])
     tp2 = floors.get(judge.EXPERT_SHARDING_FLOOR) if key[0] in MOE else None
     assert row["pooled"]["positions_over_1"] <= (tp2["positions_over_1"] if tp2 else 0)
