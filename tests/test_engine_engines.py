@@ -16,7 +16,7 @@ import layouts  # noqa: E402
 FAKE = """import json, os, sys, time
 args = sys.argv[1:]
 open(os.environ["CALLS"], "a").write(json.dumps(args) + "\\n")
-time.sleep(0.2)
+time.sleep(float(os.environ.get("FAKE_SLEEP", 0.2)))
 out = [{"case": "len_1", "prompt_lens": [1], "outputs": [{"token_ids": [5],
        "logprobs": [{"5": -0.5}]}]}]
 json.dump({"results": out, "memory": None}, open(args[args.index("--out") + 1], "w"))
@@ -56,6 +56,19 @@ def test_a_job_runs_once_after_its_teacher_and_a_failure_again_in_a_new_session(
     engines.run_engine(engines.Job("smollm2", "chunked", "pcp2", "standard,features",
                                    teacher=base), work)  # other groups: another run
     assert len(calls()) == 5
+
+
+def test_a_run_past_the_engine_timeout_is_killed_and_fails_naming_it(fake, monkeypatch):
+    """A hung engine (here: a worker that sleeps) is stopped at VLLM_PCP_ENGINE_TIMEOUT_S,
+    and its entry fails with the reason first, so its comparisons fail instead of waiting."""
+    work, calls = fake
+    monkeypatch.setenv("FAKE_SLEEP", "30")
+    monkeypatch.setenv(engines.TIMEOUT_VAR, "1")
+    entry = engines.run_engine(engines.Job("smollm2", "chunked", "pcp2"), work)
+    assert entry["returncode"] and entry["seconds"] < 20 and "results" not in entry
+    assert entry["errors"][0] == f"timed out: still running after 1 s ({engines.TIMEOUT_VAR})"
+    case = engines.judge.engine_case("m", "l", entry, {"returncode": 0})
+    assert not case["passed"] and case["errors"] == entry["errors"]
 
 
 def test_workers_of_one_session_share_one_run_of_a_job(fake):

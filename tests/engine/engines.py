@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = [sys.executable, os.path.join(HERE, "worker.py")]
 SESSION_VAR = "VLLM_PCP_ENGINE_SESSION"  # set once per pytest session (tests/engine/conftest.py)
 REFUSAL_TIMEOUT_S = 300  # a run that must be refused and still goes after this is killed
+TIMEOUT_VAR = "VLLM_PCP_ENGINE_TIMEOUT_S"  # any other run still going after this many seconds
 REAL_MODELS = {"smollm2": "smollm2-135m", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b"}
 FULL_DEPTH = "-full"  # NAME-full: NAME with every layer of its config (else 4)
 
@@ -74,7 +75,9 @@ def model_dir(name: str, work_dir: str) -> str:
 
 
 def _run(job: Job, work_dir: str, path: str) -> dict:
-    """The worker's run, its process group killed on a refusal's timeout or an interrupt."""
+    """The worker's run, its process group killed on an interrupt or a timeout: a refusal's,
+    or for any other run ``VLLM_PCP_ENGINE_TIMEOUT_S`` where set (a hung engine fails with
+    its log's errors instead of holding its pytest worker)."""
     out, log = (path.removesuffix(".json") + tail for tail in (".worker.json", ".log"))
     if os.path.exists(out):
         os.remove(out)  # never an earlier run's output
@@ -88,11 +91,12 @@ def _run(job: Job, work_dir: str, path: str) -> dict:
            **shared_gpu.env(), **layouts.LAYOUTS[job.layout].env,
            "VLLM_PCP_CHECK_SAMPLED_TOKENS": "1"}
     start, timed_out = time.perf_counter(), False
+    timeout = REFUSAL_TIMEOUT_S if job.refusal else float(os.environ.get(TIMEOUT_VAR) or 0) or None
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
-            returncode = proc.wait(timeout=REFUSAL_TIMEOUT_S if job.refusal else None)
+            returncode = proc.wait(timeout=timeout)
         except BaseException as exc:
             os.killpg(proc.pid, signal.SIGKILL)
             if not isinstance(exc, subprocess.TimeoutExpired):
@@ -113,7 +117,10 @@ def _run(job: Job, work_dir: str, path: str) -> dict:
     if entry.get("shared_gpus"):  # its ranks shared GPUs: side by side, or time-sliced
         entry["mps"] = shared_gpu.mps_serves(env)
     if returncode:
-        entry.update(errors=judge.error_lines(text), log_tail=text[-6000:])
+        errors = judge.error_lines(text)
+        if timed_out:
+            errors.insert(0, f"timed out: still running after {timeout:g} s ({TIMEOUT_VAR})")
+        entry.update(errors=errors, log_tail=text[-6000:])
     return entry
 
 
