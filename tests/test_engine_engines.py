@@ -61,7 +61,7 @@ def test_a_job_runs_once_after_its_teacher_and_a_failure_again_in_a_new_session(
 def test_a_run_past_the_engine_timeout_is_killed_and_fails_naming_it(fake, monkeypatch):
     """A hung engine (here: a worker that sleeps) is stopped at VLLM_PCP_ENGINE_TIMEOUT_S,
     and its entry fails with the reason first, so its comparisons fail instead of waiting."""
-    work, calls = fake
+    work, _ = fake
     monkeypatch.setenv("FAKE_SLEEP", "30")
     monkeypatch.setenv(engines.TIMEOUT_VAR, "1")
     entry = engines.run_engine(engines.Job("smollm2", "chunked", "pcp2"), work)
