@@ -199,7 +199,8 @@ def test_a_budget_engine_passes_only_with_every_case_run_and_every_rank_within_i
 def test_a_feature_floor_excuses_what_one_gpu_fails_but_never_exact_seeded_sampling():
     """test_features' tolerance: seeded sampling where the layout rounds otherwise, plus the
     cases one GPU fails against itself on another kernel, but seeded sampling stays exact
-    where the layout's logits are (the paged kernel on every split row)."""
+    where the layout's logits are (the paged kernel on every split row), and a floor whose
+    engine failed excuses no engine that failed."""
     import test_exactness as t
 
     floor = {"sampled_n4", "prompt_logprobs"}
@@ -207,6 +208,7 @@ def test_a_feature_floor_excuses_what_one_gpu_fails_but_never_exact_seeded_sampl
     assert t.tolerated("pcp2", floor) == floor
     assert t.tolerated("pcp2-paged", floor) == {"prompt_logprobs"}
     assert t.tolerated("pcp2-paged", set()) == set()
+    assert t.tolerated("pcp2", {"engine", "json_schema"}) == {"sampled_n4", "json_schema"}
     assert ("smollm2", "chunked", t.FEATURE_FLOOR) in t.JOBS
     assert "features" in t.JOBS[("smollm2", "chunked", t.FLOORS[t.FEATURE_FLOOR])]
 
@@ -219,3 +221,46 @@ def test_every_teacher_judged_model_has_its_one_gpu_floors_as_jobs():
     assert t.TEACHER_KEYS
     for key in t.TEACHER_KEYS:
         assert set(judge.GOAL_FLOORS) <= set(t.floor_keys(key)), key
+
+
+def _greedy(misses=(), returncode=0):
+    """A raw entry of three cases, ``misses`` off the baseline's top-5 at token 1."""
+    return _run("results", [{"case": c, "prompt_lens": [7],
+                             "outputs": [_out([5, 3] if c in misses else [5, 7])]}
+                            for c in ("len_7", "len_4097", "prefix_hit")], returncode)
+
+
+def _judge_greedy(key, layout_run, floors):
+    """test_greedy on ``layout_run`` against a clean baseline, ``floors`` the floors' raw
+    entries by layout; the jobs it ran."""
+    import test_exactness as t
+
+    ran = []
+
+    def engine(k, repeat=0):
+        ran.append(k[2])
+        return layout_run if k == key else floors.get(k[2], _greedy())
+    t.test_greedy(key, engine, lambda *a, **k: None)
+    return ran
+
+
+def test_greedy_misses_are_held_to_the_floor_that_misses_the_most_and_an_engine_to_none():
+    """A random 36-layer model misses the top-5 rule against itself (eager against CUDA
+    graphs): a layout may miss as many cases as its model's worst one-GPU floor, never
+    more, never with an engine that failed, and a floor whose engine failed excuses none."""
+    import pytest
+
+    key = ("qwen2.5-3b-shape-full", "chunked", "tp4-pcp2-dcp2-i8")
+    one = _greedy(["prefix_hit"])
+    assert _judge_greedy(key, _greedy(), {}) == ["tp4-pcp2-dcp2-i8", "pcp1-v1"]
+    ran = _judge_greedy(key, one, {"pcp1-graphs": _greedy(["len_4097"])})
+    assert set(ran) == {"tp4-pcp2-dcp2-i8", "pcp1-v1", "pcp1-graphs", "pcp1-flash-attn", "pcp1"}
+    moe = ("qwen3-moe-8e", "chunked", "pcp2")  # held to vLLM's own expert sharding
+    assert "tp2" in _judge_greedy(moe, one, {"tp2": _greedy(["len_4097"])})
+    for layout_run, floors in (
+            (_greedy(["prefix_hit", "len_7"]), {"pcp1-graphs": _greedy(["len_4097"])}),
+            (one, {}),
+            (_greedy(returncode=1), {"pcp1-graphs": _greedy(["len_4097"])}),
+            (one, {"pcp1-graphs": _greedy(returncode=1)})):
+        with pytest.raises(AssertionError):
+            _judge_greedy(key, layout_run, floors)

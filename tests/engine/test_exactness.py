@@ -119,14 +119,35 @@ def engine(pytestconfig):
 
 @pytest.mark.parametrize("key", _params(k for k in STANDARD if layouts.baseline(k[2])))
 def test_greedy(key, engine, record):
-    """Each exactness case by vLLM's top-5 rule (a MoE model: no worse than its -tp 2)."""
+    """Each exactness case by vLLM's top-5 rule, or no more misses than the model's one-GPU
+    floor that misses the most (a MoE model: than its -tp 2)."""
     runs, _, (cases, skipped) = _compare(engine, judge.compare_run, key)
     record("greedy", key, runs, cases=cases, not_compared=skipped, dcp=layouts.LAYOUTS[key[2]].dcp)
     kernel = judge.ragged_steps_as_expected(runs[0], layouts.takes_ragged(key[2]))
     assert kernel is not False, runs[0]["step_counts"]  # fresh steps took the layout's kernel
-    tp2 = (key[0], "chunked", "tp2")
-    allowed = _failures(_compare(engine, judge.compare_run, tp2)[2][0]) if key[0] in MOE else []
-    assert len(_failures(cases)) <= len(allowed), (_failures(cases), allowed)
+    missed = _failures(cases)
+    assert "engine" not in missed, cases[0]
+    floors = _greedy_floors(engine, key) if missed else {}
+    assert len(missed) <= allowed_misses(floors), (missed, floors)
+
+
+def _greedy_floors(engine, key) -> dict[str, list[str]]:
+    """The top-5 misses, by layout, of the jobs that hold ``key``'s misses: vLLM's expert
+    sharding (-tp 2) for a MoE model, the model's one-GPU floors for the rest."""
+    if key[0] in MOE:
+        jobs = {(key[0], "chunked", "tp2"): None}
+    else:
+        jobs = {k: k[:2] + (FLOORS[k[2]],)
+                for k in (key[:2] + (c,) for c in judge.GOAL_FLOORS) if k in JOBS}
+    return {k[2]: _failures(_compare(engine, judge.compare_run, k, base)[2][0])
+            for k, base in jobs.items()}
+
+
+def allowed_misses(floor_misses: dict[str, list[str]]) -> int:
+    """How many cases a layout may miss vLLM's top-5 rule in: as many as the floor in
+    ``floor_misses`` that misses the most. A random model's near ties make one GPU miss
+    against itself (eager against CUDA graphs); a floor whose engine failed excuses none."""
+    return max((sum(c != "engine" for c in f) for f in floor_misses.values()), default=0)
 
 
 @pytest.mark.parametrize("key", _params(k for k in JOBS if k[2] in FLOORS))
@@ -186,9 +207,10 @@ def test_features(key, engine, record):
 def tolerated(layout: str, floor: set[str]) -> set[str]:
     """The feature cases ``layout`` may fail: seeded sampling where its logits round
     otherwise than one GPU's, and ``floor`` (what one GPU fails against itself), but never
-    seeded sampling where the layout's logits are exact (:data:`EXACT_SAMPLING`)."""
+    seeded sampling where the layout's logits are exact (:data:`EXACT_SAMPLING`), and never
+    an engine that failed."""
     exact = layout in EXACT_SAMPLING
-    return (floor | {"sampled_n4"}) - ({"sampled_n4"} if exact else set())
+    return (floor - {"engine"} | {"sampled_n4"}) - ({"sampled_n4"} if exact else set())
 
 
 def _floor_features(engine, key) -> list[dict] | None:
