@@ -3,6 +3,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engine"))
 import judge  # noqa: E402
@@ -248,8 +249,6 @@ def test_greedy_misses_are_held_to_the_floor_that_misses_the_most_and_an_engine_
     """A random 36-layer model misses the top-5 rule against itself (eager against CUDA
     graphs): a layout may miss as many cases as its model's worst one-GPU floor, never
     more, never with an engine that failed, and a floor whose engine failed excuses none."""
-    import pytest
-
     key = ("qwen2.5-3b-shape-full", "chunked", "tp4-pcp2-dcp2-i8")
     one = _greedy(["prefix_hit"])
     assert _judge_greedy(key, _greedy(), {}) == ["tp4-pcp2-dcp2-i8", "pcp1-v1"]
