@@ -3,6 +3,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -69,6 +70,57 @@ def test_a_run_past_the_engine_timeout_is_killed_and_fails_naming_it(fake, monke
     assert entry["errors"][0] == f"timed out: still running after 1 s ({engines.TIMEOUT_VAR})"
     case = engines.judge.engine_case("m", "l", entry, {"returncode": 0})
     assert not case["passed"] and case["errors"] == entry["errors"]
+
+
+# a stand-in hung engine: a worker and the child it starts, each printing its stacks on the
+# test plugin's signal, both asleep; the child's pid in CHILD_PID
+HUNG = """import faulthandler, os, subprocess, sys, time
+faulthandler.register({signum}, all_threads=True)
+child = ("import faulthandler, os, time; faulthandler.register({signum}, all_threads=True); "
+         "open(os.environ['CHILD_PID'], 'w').write(str(os.getpid())); time.sleep(60)")
+subprocess.Popen([sys.executable, "-c", child])
+time.sleep(60)
+"""
+
+
+def test_a_timed_out_engine_logs_every_process_stacks_and_leaves_none_running(
+        fake, monkeypatch, tmp_path):
+    """Before the kill, the worker and the processes it started print where they waited
+    (every vLLM process of a check registers for the signal through the test plugin), and
+    the kill reaches them all."""
+    work, _ = fake
+    (tmp_path / "hung.py").write_text(HUNG.format(signum=int(engines.shared_gpu.STACKS_SIGNAL)))
+    monkeypatch.setattr(engines, "WORKER", [sys.executable, str(tmp_path / "hung.py")])
+    monkeypatch.setenv("CHILD_PID", str(tmp_path / "child"))
+    monkeypatch.setenv(engines.TIMEOUT_VAR, "2")
+    entry = engines.run_engine(engines.Job("smollm2", "chunked", "pcp2"), work)
+    assert entry["errors"][0].startswith("timed out")
+    assert entry["log_tail"].count("(most recent call first)") >= 2, entry["log_tail"]
+    assert "hung.py" in entry["log_tail"] and 'File "<string>"' in entry["log_tail"]
+    child = int((tmp_path / "child").read_text())
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{child}") or " Z " in open(f"/proc/{child}/stat").read():
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the engine's child {child} still runs")
+
+
+def test_the_test_plugin_registers_every_engine_process_for_the_stacks_signal(monkeypatch):
+    """The plugin's entry point, in a process where the checks engage it, registers
+    faulthandler for the signal the harness sends a hung engine."""
+    import faulthandler
+    import vllm_pcp_shared_gpu as plugin
+
+    registered = []
+    monkeypatch.setattr(faulthandler, "register", lambda *a, **k: registered.append((a, k)))
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setenv(plugin.MODE_VAR, "auto")
+    monkeypatch.delenv(plugin.ENGAGED_VAR, raising=False)
+    for wrap in ("_wrap_engine_args", "_wrap_device_ids_of_workers"):
+        monkeypatch.setattr(plugin, wrap, lambda: None)
+    plugin.register()
+    assert registered == [((plugin.STACKS_SIGNAL,), {"all_threads": True})]
 
 
 def test_workers_of_one_session_share_one_run_of_a_job(fake):

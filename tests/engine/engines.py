@@ -23,6 +23,7 @@ WORKER = [sys.executable, os.path.join(HERE, "worker.py")]
 SESSION_VAR = "VLLM_PCP_ENGINE_SESSION"  # set once per pytest session (tests/engine/conftest.py)
 REFUSAL_TIMEOUT_S = 300  # a run that must be refused and still goes after this is killed
 TIMEOUT_VAR = "VLLM_PCP_ENGINE_TIMEOUT_S"  # any other run still going after this many seconds
+STACKS_WAIT_S = 3.0  # for a timed-out run's processes to print their stacks
 REAL_MODELS = {"smollm2": "smollm2-135m", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b"}
 FULL_DEPTH = "-full"  # NAME-full: NAME with every layer of its config (else 4)
 
@@ -74,10 +75,23 @@ def model_dir(name: str, work_dir: str) -> str:
     return target
 
 
+def _signal_session(session: int, signum: int) -> None:
+    """``signum`` to every process of ``session`` (the worker's, and all it started)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session:
+                os.kill(int(stat.parent.name), signum)
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+
+
 def _run(job: Job, work_dir: str, path: str) -> dict:
-    """The worker's run, its process group killed on an interrupt or a timeout: a refusal's,
-    or for any other run ``VLLM_PCP_ENGINE_TIMEOUT_S`` where set (a hung engine fails with
-    its log's errors instead of holding its pytest worker)."""
+    """The worker's run, every process of its session killed on an interrupt or a timeout:
+    a refusal's, or for any other run ``VLLM_PCP_ENGINE_TIMEOUT_S`` where set (a hung engine
+    fails with its log's errors instead of holding its pytest worker). Before a timeout's
+    kill, each process that registered for :data:`shared_gpu.STACKS_SIGNAL` (every vLLM
+    process of a check, through the test plugin) prints its Python stacks into the log."""
     out, log = (path.removesuffix(".json") + tail for tail in (".worker.json", ".log"))
     if os.path.exists(out):
         os.remove(out)  # never an earlier run's output
@@ -98,7 +112,11 @@ def _run(job: Job, work_dir: str, path: str) -> dict:
         try:
             returncode = proc.wait(timeout=timeout)
         except BaseException as exc:
+            if isinstance(exc, subprocess.TimeoutExpired):
+                _signal_session(proc.pid, shared_gpu.STACKS_SIGNAL)
+                time.sleep(STACKS_WAIT_S)
             os.killpg(proc.pid, signal.SIGKILL)
+            _signal_session(proc.pid, signal.SIGKILL)
             if not isinstance(exc, subprocess.TimeoutExpired):
                 raise
             returncode, timed_out = proc.wait(), True

@@ -28,8 +28,9 @@ import tempfile
 
 PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shared_gpu_plugin")
 sys.path.insert(0, PLUGIN_DIR)
-from vllm_pcp_shared_gpu import (ENGAGED_VAR, MODE_VAR, MPS_PIPE_VAR, engages,  # noqa: E402,F401
-                                 give_nccl_own_host, mps_pipe_dir, mps_serves)
+from vllm_pcp_shared_gpu import (ENGAGED_VAR, MODE_VAR, MPS_PIPE_VAR,  # noqa: E402,F401
+                                 STACKS_SIGNAL, engages, give_nccl_own_host, mps_pipe_dir,
+                                 mps_serves)
 
 MODES = ("auto", "force")
 

@@ -34,6 +34,7 @@ refuses there until a GPU run shows them exact, so that the run can.
 from __future__ import annotations
 
 import os
+import signal
 
 MODE_VAR = "VLLM_PCP_TEST_SHARE_GPUS"  # off (unset) | auto | force
 ENGAGED_VAR = "VLLM_PCP_TEST_SHARED_GPUS_ENGAGED"  # the GPU count, set once engaged
@@ -49,11 +50,23 @@ def register() -> None:
     if _registered or os.environ.get(MODE_VAR, "off") not in ("auto", "force"):
         return
     _registered = True
+    print_stacks_on_signal()
     accept_kv_dtypes(os.environ.get(ACCEPT_KV_DTYPES_VAR, ""))
     if os.environ.get(ENGAGED_VAR):
         give_nccl_own_host()
     _wrap_engine_args()
     _wrap_device_ids_of_workers()
+
+
+STACKS_SIGNAL = signal.SIGUSR1  # asks a check's engine processes for their Python stacks
+
+
+def print_stacks_on_signal() -> None:
+    """Every thread's Python stack to stderr on :data:`STACKS_SIGNAL`, so that a check
+    that stops a hung engine (``tests/engine/engines.py``) logs where each process waited."""
+    import faulthandler
+
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
 
 def accept_kv_dtypes(names: str) -> None:
