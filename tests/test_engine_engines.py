@@ -106,6 +106,26 @@ def test_a_timed_out_engine_logs_every_process_stacks_and_leaves_none_running(
         pytest.fail(f"the engine's child {child} still runs")
 
 
+def test_only_processes_that_handle_the_stacks_signal_get_it():
+    """A process without a handler (Ray's log monitor, say) would end at the signal: the
+    harness tells them apart by /proc's SigCgt."""
+    import signal
+    import subprocess
+
+    signum = int(engines.shared_gpu.STACKS_SIGNAL)
+    handles = subprocess.Popen([sys.executable, "-c", "import faulthandler, sys, time; "
+                                f"faulthandler.register({signum}); print(1, flush=True); "
+                                "time.sleep(30)"], stdout=subprocess.PIPE)
+    plain = subprocess.Popen(["sleep", "30"])
+    try:
+        handles.stdout.readline()
+        assert engines.catches(handles.pid, signum)
+        assert not engines.catches(plain.pid, signum)
+        assert not engines.catches(plain.pid, signal.SIGKILL)
+    finally:
+        handles.kill(), plain.kill(), handles.wait(), plain.wait()
+
+
 def test_the_test_plugin_registers_every_engine_process_for_the_stacks_signal(monkeypatch):
     """The plugin's entry point, in a process where the checks engage it, registers
     faulthandler for the signal the harness sends a hung engine."""

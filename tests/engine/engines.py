@@ -23,7 +23,7 @@ WORKER = [sys.executable, os.path.join(HERE, "worker.py")]
 SESSION_VAR = "VLLM_PCP_ENGINE_SESSION"  # set once per pytest session (tests/engine/conftest.py)
 REFUSAL_TIMEOUT_S = 300  # a run that must be refused and still goes after this is killed
 TIMEOUT_VAR = "VLLM_PCP_ENGINE_TIMEOUT_S"  # any other run still going after this many seconds
-STACKS_WAIT_S = 3.0  # for a timed-out run's processes to print their stacks
+STACKS_WAIT_S = 5.0  # for a timed-out run's processes to print their stacks (Ray's: and pass them on)
 REAL_MODELS = {"smollm2": "smollm2-135m", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b"}
 FULL_DEPTH = "-full"  # NAME-full: NAME with every layer of its config (else 4)
 
@@ -75,14 +75,23 @@ def model_dir(name: str, work_dir: str) -> str:
     return target
 
 
-def _signal_session(session: int, signum: int) -> None:
-    """``signum`` to every process of ``session`` (the worker's, and all it started)."""
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``signum`` (/proc's SigCgt)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def _signal_session(session: int, signum: int, handled_only: bool = False) -> None:
+    """``signum`` to every process of ``session`` (the worker's, and all it started); with
+    ``handled_only`` to those that handle it (the others, Ray's own processes among them,
+    would end at once, before they pass on what the rest print)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == session:
-                os.kill(int(stat.parent.name), signum)
-        except (OSError, IndexError, ValueError):
+            pid, fields = int(stat.parent.name), stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session and (not handled_only or catches(pid, signum)):
+                os.kill(pid, signum)
+        except (OSError, IndexError, ValueError, StopIteration):
             continue  # gone meanwhile
 
 
@@ -113,7 +122,7 @@ def _run(job: Job, work_dir: str, path: str) -> dict:
             returncode = proc.wait(timeout=timeout)
         except BaseException as exc:
             if isinstance(exc, subprocess.TimeoutExpired):
-                _signal_session(proc.pid, shared_gpu.STACKS_SIGNAL)
+                _signal_session(proc.pid, shared_gpu.STACKS_SIGNAL, handled_only=True)
                 time.sleep(STACKS_WAIT_S)
             os.killpg(proc.pid, signal.SIGKILL)
             _signal_session(proc.pid, signal.SIGKILL)
