@@ -137,8 +137,8 @@ def _greedy_floors(engine, key) -> dict[str, list[str]]:
     if key[0] in MOE:
         jobs = {(key[0], "chunked", "tp2"): None}
     else:
-        jobs = {k: k[:2] + (FLOORS[k[2]],)
-                for k in (key[:2] + (c,) for c in judge.GOAL_FLOORS) if k in JOBS}
+        jobs = {k: k[:2] + (FLOORS[c],) for c, k in floor_keys(key).items()
+                if c in judge.GOAL_FLOORS}
     return {k[2]: _failures(_compare(engine, judge.compare_run, k, base)[2][0])
             for k, base in jobs.items()}
 
