@@ -124,8 +124,7 @@ def _run(job: Job, work_dir: str, path: str) -> dict:
             if isinstance(exc, subprocess.TimeoutExpired):
                 _signal_session(proc.pid, shared_gpu.STACKS_SIGNAL, handled_only=True)
                 time.sleep(STACKS_WAIT_S)
-            os.killpg(proc.pid, signal.SIGKILL)
-            _signal_session(proc.pid, signal.SIGKILL)
+            _signal_session(proc.pid, signal.SIGKILL)  # its process group is in it
             if not isinstance(exc, subprocess.TimeoutExpired):
                 raise
             returncode, timed_out = proc.wait(), True
