@@ -106,6 +106,21 @@ def test_a_timed_out_engine_logs_every_process_stacks_and_leaves_none_running(
         pytest.fail(f"the engine's child {child} still runs")
 
 
+def test_the_stacks_signal_goes_to_one_process_at_a_time(monkeypatch):
+    """The dumps share the log and two at once interleave line by line: each handling
+    process gets the signal only after the one before had time to print; processes
+    without a handler get nothing."""
+    events = []
+    monkeypatch.setattr(engines, "_session_pids", lambda session: [11, 12, 13, 14])
+    monkeypatch.setattr(engines, "catches", lambda pid, signum: pid != 13)
+    monkeypatch.setattr(engines.os, "kill", lambda pid, signum: events.append(("kill", pid, signum)))
+    monkeypatch.setattr(engines.time, "sleep", lambda s: events.append(("sleep", s)))
+    engines._print_stacks(10)
+    signum, gap = engines.shared_gpu.STACKS_SIGNAL, ("sleep", engines.STACKS_GAP_S)
+    assert events == [("kill", 11, signum), gap, ("kill", 12, signum), gap,
+                      ("kill", 14, signum), gap]
+
+
 def test_only_processes_that_handle_the_stacks_signal_get_it():
     """A process without a handler (Ray's log monitor, say) would end at the signal: the
     harness tells them apart by /proc's SigCgt."""

@@ -24,6 +24,7 @@ SESSION_VAR = "VLLM_PCP_ENGINE_SESSION"  # set once per pytest session (tests/en
 REFUSAL_TIMEOUT_S = 300  # a run that must be refused and still goes after this is killed
 TIMEOUT_VAR = "VLLM_PCP_ENGINE_TIMEOUT_S"  # any other run still going after this many seconds
 STACKS_WAIT_S = 5.0  # for a timed-out run's processes to print their stacks (Ray's: and pass them on)
+STACKS_GAP_S = 0.3  # between two processes' stacks: one dump is whole in the log before the next
 REAL_MODELS = {"smollm2": "smollm2-135m", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b"}
 FULL_DEPTH = "-full"  # NAME-full: NAME with every layer of its config (else 4)
 
@@ -82,16 +83,37 @@ def catches(pid: int, signum: int) -> bool:
     return bool(int(mask, 16) >> (signum - 1) & 1)
 
 
-def _signal_session(session: int, signum: int, handled_only: bool = False) -> None:
-    """``signum`` to every process of ``session`` (the worker's, and all it started); with
-    ``handled_only`` to those that handle it (the others, Ray's own processes among them,
-    would end at once, before they pass on what the rest print)."""
+def _session_pids(session: int) -> list[int]:
+    """Every process of ``session`` (the worker's, and all it started), in pid order."""
+    pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            pid, fields = int(stat.parent.name), stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == session and (not handled_only or catches(pid, signum)):
-                os.kill(pid, signum)
-        except (OSError, IndexError, ValueError, StopIteration):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == session:
+                pids.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return sorted(pids)
+
+
+def _print_stacks(session: int) -> None:
+    """:data:`shared_gpu.STACKS_SIGNAL` to each process of ``session`` that handles it, one
+    at a time (their dumps share the log, and two at once interleave line by line). The
+    others, Ray's own processes among them, would end at once, before they pass on what
+    the rest print."""
+    for pid in _session_pids(session):
+        try:
+            if catches(pid, shared_gpu.STACKS_SIGNAL):
+                os.kill(pid, shared_gpu.STACKS_SIGNAL)
+                time.sleep(STACKS_GAP_S)
+        except (OSError, StopIteration):
+            continue  # gone meanwhile
+
+
+def _kill_session(session: int) -> None:
+    for pid in _session_pids(session):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
             continue  # gone meanwhile
 
 
@@ -122,9 +144,9 @@ def _run(job: Job, work_dir: str, path: str) -> dict:
             returncode = proc.wait(timeout=timeout)
         except BaseException as exc:
             if isinstance(exc, subprocess.TimeoutExpired):
-                _signal_session(proc.pid, shared_gpu.STACKS_SIGNAL, handled_only=True)
+                _print_stacks(proc.pid)
                 time.sleep(STACKS_WAIT_S)
-            _signal_session(proc.pid, signal.SIGKILL)  # its process group is in it
+            _kill_session(proc.pid)  # its process group is in it
             if not isinstance(exc, subprocess.TimeoutExpired):
                 raise
             returncode, timed_out = proc.wait(), True
