@@ -248,3 +248,79 @@ def test_a_budget_layout_leaves_the_kv_pool_to_vllms_profile_run():
     assert [len(p) for p in longest["prompts"]] == [budget["max_model_len"] - 40]
     assert sum(map(len, full["prompts"])) <= budget["max_num_batched_tokens"]
     assert len(full["prompts"]) == 4
+
+
+class _StandInLLM:
+    """``vllm.LLM`` as the worker uses it with no case groups; ``events`` in call order."""
+    events: list = []
+
+    def __init__(self, model, **kwargs):
+        from types import SimpleNamespace
+
+        cache = SimpleNamespace(num_gpu_blocks=4, block_size=16)
+        core = SimpleNamespace(shutdown=lambda: self.events.append(("shutdown", self._out())))
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache),
+                                          engine_core=core)
+
+    def _out(self) -> bool:  # whether the output was written when the engine shut down
+        return os.path.exists(self.out_path)
+
+    def collective_rpc(self, method, args=()):
+        self.events.append(("rpc", method))
+        return [None, None]
+
+
+def test_the_worker_shuts_its_engine_down_after_writing_its_output(monkeypatch, tmp_path):
+    """Left to the exit, Ray's shutdown would come before the executor's and a Ray engine
+    would hang there: the worker stops the engine itself, once its output is written."""
+    import vllm
+    import worker
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "max_position_embeddings": 4096, "num_hidden_layers": 2, "num_key_value_heads": 2,
+        "hidden_size": 128, "num_attention_heads": 4, "vocab_size": 1000}))
+    out = tmp_path / "out.json"
+    monkeypatch.setattr(_StandInLLM, "events", [])
+    monkeypatch.setattr(_StandInLLM, "out_path", str(out), raising=False)
+    monkeypatch.setattr(vllm, "LLM", _StandInLLM)
+    monkeypatch.setattr(sys, "argv", ["worker.py", "--model", str(model), "--layout", "pcp2",
+                                      "--variant", "chunked", "--groups", "none", "--out", str(out)])
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # main sets the layout's variables
+    worker.main()
+    assert json.loads(out.read_text())["kv_capacity_tokens"] == 64
+    assert _StandInLLM.events[-1] == ("shutdown", True)
+    assert [e for e in _StandInLLM.events if e[0] == "shutdown"] == [("shutdown", True)]
+
+
+def test_vllms_ray_executor_stops_its_ranks_through_ray_at_exit_after_rays_own_shutdown():
+    """What ``worker.shut_down`` works around, pinned: importing vLLM registers
+    ``weakref.finalize``'s exit hook before ``ray`` is imported (so Ray's exit hook runs
+    first), the Ray executor's finalizer calls its ``shutdown``, which calls ``ray.kill``;
+    and the in-process engine client's ``shutdown`` reaches the executor's."""
+    import ast
+    import importlib.util
+    import inspect
+    import subprocess
+    import textwrap
+
+    from vllm.v1.engine import core, core_client
+
+    probe = textwrap.dedent("""
+        import sys, weakref
+        import vllm.engine.arg_utils, vllm.entrypoints.llm
+        print(weakref.finalize._registered_with_atexit, "ray" in sys.modules)""")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.stdout.split()[-2:] == ["True", "False"], done.stderr[-2000:]
+    # its module imports only where Ray is installed: read as source
+    path = importlib.util.find_spec("vllm.v1.executor.ray_executor_v2").origin
+    source = open(path).read()
+    (executor,) = [n for n in ast.parse(source).body
+                   if isinstance(n, ast.ClassDef) and n.name == "RayExecutorV2"]
+    methods = {n.name: ast.get_source_segment(source, n) for n in executor.body
+               if isinstance(n, ast.FunctionDef)}
+    assert "weakref.finalize(self, self.shutdown)" in ast.get_source_segment(source, executor)
+    assert "ray.kill(" in methods["shutdown"]
+    assert "self.engine_core.shutdown()" in inspect.getsource(core_client.InprocClient.shutdown)
+    assert "self.model_executor.shutdown()" in inspect.getsource(core.EngineCore.shutdown)

@@ -201,6 +201,14 @@ def engine_kwargs(layout: str, hf: dict, variant: str, max_tokens: int,
             "enable_flashinfer_autotune": False, **kwargs}
 
 
+def shut_down(llm) -> None:
+    """The engine's executor and ranks, stopped while Ray still runs. Left to the exit, Ray's
+    own shutdown (registered when ``ray`` is first imported, after the finalizers vLLM's
+    imports make) runs first; the executor's finalizer then calls ``ray.kill``, which starts
+    Ray again against the head that is gone (``RAY_ADDRESS``) and waits for it forever."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag in ("--model", "--layout", "--variant", "--out"):
@@ -229,6 +237,8 @@ def main() -> None:
         "kv_capacity_tokens": cache.num_gpu_blocks * cache.block_size * lay.dcp,
         "step_counts": _per_rank(llm, "pcp_step_counts"), "shared_gpus": shared,
         "sampled_token_checks": _per_rank(llm, "pcp_sampled_token_checks"), **out}))
+    shut_down(llm)
+
 
 if __name__ == "__main__":
     main()
