@@ -263,3 +263,38 @@ def test_greedy_misses_are_held_to_the_floor_that_misses_the_most_and_an_engine_
             (one, {"pcp1-graphs": _greedy(returncode=1)})):
         with pytest.raises(AssertionError):
             _judge_greedy(key, layout_run, floors)
+
+
+def _features(misses=(), returncode=0):
+    """A raw entry of two feature cases, ``misses`` off the baseline's top-5 at token 1."""
+    return _run("feature_results", [{"case": c, "kind": c, "prompt_lens": [7],
+                                     "outputs": [_out([5, 3] if c in misses else [5, 7])]}
+                                    for c in ("burst", "repetition_penalty")], returncode)
+
+
+def _judge_features(key, layout_run, floors):
+    """test_features on ``layout_run`` against a clean baseline, ``floors`` the floors' raw
+    entries by layout."""
+    import test_exactness as t
+
+    def engine(k, repeat=0):
+        return layout_run if k == key else floors.get(k[2], _features())
+    t.test_features(key, engine, lambda *a, **k: None)
+
+
+def test_moe_feature_cases_are_held_to_vllms_own_expert_sharding():
+    """A MoE layout may fail the feature cases that vLLM's -tp 2 fails against one GPU, no
+    others, never with an engine that failed; the -tp 2 job itself is the expected failure."""
+    import test_exactness as t
+
+    moe = ("qwen3-moe-8e", "chunked", "pcp2")
+    burst = _features(["burst"])
+    _judge_features(moe, burst, {"tp2": _features(["burst"])})
+    _judge_features(moe, _features(), {})
+    for layout_run, floors in ((burst, {}), (burst, {"tp2": _features(["repetition_penalty"])}),
+                               (_features(returncode=1), {"tp2": _features(returncode=1)})):
+        with pytest.raises(AssertionError):
+            _judge_features(moe, layout_run, floors)
+    marks = {p.values[0]: [m.name for m in p.marks]
+             for p in t._params(t.FEATURE_KEYS, xfail=t.EXPERT_SHARDING_KEYS)}
+    assert "xfail" in marks[moe[:2] + ("tp2",)] and "xfail" not in marks[moe]
