@@ -136,7 +136,7 @@ def _greedy_floors(engine, key) -> dict[str, list[str]]:
     """The top-5 misses, by layout, of the jobs that hold ``key``'s misses: vLLM's expert
     sharding (-tp 2) for a MoE model, the model's one-GPU floors for the rest."""
     if key[0] in MOE:
-        jobs = {(key[0], "chunked", "tp2"): None}
+        jobs = {(key[0], "chunked", judge.EXPERT_SHARDING_FLOOR): None}
     else:
         jobs = {k: k[:2] + (FLOORS[c],) for c, k in floor_keys(key).items()
                 if c in judge.GOAL_FLOORS}
