@@ -17,6 +17,7 @@ import layouts  # noqa: E402
 FAKE = """import json, os, sys, time
 args = sys.argv[1:]
 open(os.environ["CALLS"], "a").write(json.dumps(args) + "\\n")
+open(os.environ["CALLS"] + ".mps", "a").write(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "") + "\\n")
 time.sleep(float(os.environ.get("FAKE_SLEEP", 0.2)))
 out = [{"case": "len_1", "prompt_lens": [1], "outputs": [{"token_ids": [5],
        "logprobs": [{"5": -0.5}]}]}]
@@ -82,6 +83,44 @@ subprocess.Popen([sys.executable, "-c", child])
 time.sleep(60)
 """
 
+# a stand-in engine hung at its exit: its whole output written (in one rename), then a child
+# started and both asleep
+HUNG_AT_EXIT = HUNG.replace("subprocess.Popen(", """out = sys.argv[sys.argv.index("--out") + 1]
+json.dump({{"results": [{{"case": "len_1", "prompt_lens": [1]}}]}}, open(out + ".part", "w"))
+os.replace(out + ".part", out)
+subprocess.Popen(""").replace("import faulthandler,", "import faulthandler, json,", 1)
+
+
+def test_a_run_still_going_after_its_output_is_killed_and_its_output_judged(
+        fake, monkeypatch, tmp_path):
+    """A worker that writes its whole output and then does not exit (an engine hung in its
+    shutdown) is stopped :data:`engines.EXIT_GRACE_S` later: its cases count, the entry and
+    a warning name the hang, and none of its processes is left."""
+    work, _ = fake
+    (tmp_path / "hung.py").write_text(HUNG_AT_EXIT.format(
+        signum=int(engines.shared_gpu.STACKS_SIGNAL)))
+    monkeypatch.setattr(engines, "WORKER", [sys.executable, str(tmp_path / "hung.py")])
+    monkeypatch.setattr(engines, "EXIT_GRACE_S", 1.0)
+    monkeypatch.setattr(engines, "STACKS_WAIT_S", 1.0)
+    monkeypatch.setenv("CHILD_PID", str(tmp_path / "child"))
+    monkeypatch.setenv(engines.TIMEOUT_VAR, "60")
+    with pytest.warns(UserWarning, match="still running 1 s after its output was written"):
+        entry = engines.run_engine(engines.Job("smollm2", "chunked", "pcp2"), work)
+    assert entry["returncode"] == 0 and entry["results"][0]["case"] == "len_1"
+    assert entry["hung_at_exit"] == {"killed_after_output_s": 1.0, "returncode": -9}
+    assert "errors" not in entry and entry["seconds"] < 30
+    log = open(os.path.join(work, "raw", "smollm2-chunked-pcp2-t32.log")).read()
+    assert "(most recent call first)" in log and "hung.py" in log
+    _assert_gone(int((tmp_path / "child").read_text()))
+
+
+def _assert_gone(pid: int) -> None:
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{pid}") or " Z " in open(f"/proc/{pid}/stat").read():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the engine's child {pid} still runs")
+
 
 def test_a_timed_out_engine_logs_every_process_stacks_and_leaves_none_running(
         fake, monkeypatch, tmp_path):
@@ -97,13 +136,7 @@ def test_a_timed_out_engine_logs_every_process_stacks_and_leaves_none_running(
     assert entry["errors"][0].startswith("timed out")
     assert entry["log_tail"].count("(most recent call first)") >= 2, entry["log_tail"]
     assert "hung.py" in entry["log_tail"] and 'File "<string>"' in entry["log_tail"]
-    child = int((tmp_path / "child").read_text())
-    for _ in range(50):
-        if not os.path.exists(f"/proc/{child}") or " Z " in open(f"/proc/{child}/stat").read():
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the engine's child {child} still runs")
+    _assert_gone(int((tmp_path / "child").read_text()))
 
 
 def test_the_stacks_signal_goes_to_one_process_at_a_time(monkeypatch):
@@ -156,6 +189,17 @@ def test_the_test_plugin_registers_every_engine_process_for_the_stacks_signal(mo
         monkeypatch.setattr(plugin, wrap, lambda: None)
     plugin.register()
     assert registered == [((plugin.STACKS_SIGNAL,), {"all_threads": True})]
+
+
+def test_a_ray_engine_runs_outside_the_mps_daemon_the_others_use(fake, monkeypatch, tmp_path):
+    """Under an MPS daemon a Ray engine lost its local Ray head (`Failed to connect to GCS`)
+    and hung: its processes are pointed at a pipe folder where no daemon listens."""
+    work, _ = fake
+    monkeypatch.setenv(engines.shared_gpu.MPS_PIPE_VAR, "/tmp/the-daemon")
+    for layout in ("pcp2-dcp2-i1", "pcp2-dcp2-i1-ray"):
+        engines.run_engine(engines.Job("smollm2", "chunked", layout), work)
+    mps, ray_mps = (tmp_path / "calls.mps").read_text().split()
+    assert mps == "/tmp/the-daemon" and "vllm-pcp-no-mps-" in ray_mps
 
 
 def test_workers_of_one_session_share_one_run_of_a_job(fake):
@@ -251,16 +295,19 @@ def test_a_budget_layout_leaves_the_kv_pool_to_vllms_profile_run():
 
 
 class _StandInLLM:
-    """``vllm.LLM`` as the worker uses it with no case groups; ``events`` in call order."""
+    """``vllm.LLM`` as the worker uses it with no case groups; ``events`` in call order,
+    ``parallel`` its parallel config's fields."""
     events: list = []
+    parallel: dict = {}
 
     def __init__(self, model, **kwargs):
         from types import SimpleNamespace
 
         cache = SimpleNamespace(num_gpu_blocks=4, block_size=16)
         core = SimpleNamespace(shutdown=lambda: self.events.append(("shutdown", self._out())))
-        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache),
-                                          engine_core=core)
+        config = SimpleNamespace(cache_config=cache,
+                                 parallel_config=SimpleNamespace(**self.parallel))
+        self.llm_engine = SimpleNamespace(vllm_config=config, engine_core=core)
 
     def _out(self) -> bool:  # whether the output was written when the engine shut down
         return os.path.exists(self.out_path)
@@ -270,9 +317,13 @@ class _StandInLLM:
         return [None, None]
 
 
-def test_the_worker_shuts_its_engine_down_after_writing_its_output(monkeypatch, tmp_path):
+@pytest.mark.parametrize("pcp, backend", [(2, "ray"), (2, "mp"), (1, "mp")])
+def test_the_worker_stops_a_ray_engine_after_writing_its_output(monkeypatch, tmp_path, pcp,
+                                                                 backend):
     """Left to the exit, Ray's shutdown would come before the executor's and a Ray engine
-    would hang there: the worker stops the engine itself, once its output is written."""
+    would hang there: the worker stops a Ray engine itself, once its whole output is
+    written; other executors stop at the exit. vLLM's own worker (PCP 1) is never asked
+    for the PCP worker's counts: its ranks' failures would answer later calls."""
     import vllm
     import worker
 
@@ -284,14 +335,21 @@ def test_the_worker_shuts_its_engine_down_after_writing_its_output(monkeypatch, 
     out = tmp_path / "out.json"
     monkeypatch.setattr(_StandInLLM, "events", [])
     monkeypatch.setattr(_StandInLLM, "out_path", str(out), raising=False)
+    monkeypatch.setattr(_StandInLLM, "parallel", {"prefill_context_parallel_size": pcp,
+                                                  "distributed_executor_backend": backend})
     monkeypatch.setattr(vllm, "LLM", _StandInLLM)
     monkeypatch.setattr(sys, "argv", ["worker.py", "--model", str(model), "--layout", "pcp2",
                                       "--variant", "chunked", "--groups", "none", "--out", str(out)])
     monkeypatch.setattr(os, "environ", dict(os.environ))  # main sets the layout's variables
     worker.main()
     assert json.loads(out.read_text())["kv_capacity_tokens"] == 64
-    assert _StandInLLM.events[-1] == ("shutdown", True)
-    assert [e for e in _StandInLLM.events if e[0] == "shutdown"] == [("shutdown", True)]
+    assert not os.path.exists(str(out) + ".part")
+    shutdowns = [e for e in _StandInLLM.events if e[0] == "shutdown"]
+    assert shutdowns == ([("shutdown", True)] if backend == "ray" else [])
+    assert not shutdowns or _StandInLLM.events[-1] == ("shutdown", True)
+    rpcs = [e[1] for e in _StandInLLM.events if e[0] == "rpc"]
+    assert rpcs == ([] if pcp == 1 else ["pcp_memory", "pcp_step_counts",
+                                         "pcp_sampled_token_checks"])
 
 
 def test_vllms_ray_executor_stops_its_ranks_through_ray_at_exit_after_rays_own_shutdown():

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ WORKER = [sys.executable, os.path.join(HERE, "worker.py")]
 SESSION_VAR = "VLLM_PCP_ENGINE_SESSION"  # set once per pytest session (tests/engine/conftest.py)
 REFUSAL_TIMEOUT_S = 300  # a run that must be refused and still goes after this is killed
 TIMEOUT_VAR = "VLLM_PCP_ENGINE_TIMEOUT_S"  # any other run still going after this many seconds
+EXIT_GRACE_S = 120.0  # a run still going this long after its whole output is written is killed
 STACKS_WAIT_S = 5.0  # for a timed-out run's processes to print their stacks (Ray's: and pass them on)
 STACKS_GAP_S = 0.3  # between two processes' stacks: one dump is whole in the log before the next
 REAL_MODELS = {"smollm2": "smollm2-135m", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b"}
@@ -117,12 +119,51 @@ def _kill_session(session: int) -> None:
             continue  # gone meanwhile
 
 
+def _wait(proc: subprocess.Popen, out: str, timeout: float | None) -> tuple[int | None, str | None]:
+    """The worker's return code, or why it is to be stopped: "timeout" past ``timeout``
+    seconds, "exit" :data:`EXIT_GRACE_S` after its whole output was written (the worker
+    writes it in one rename, then only stops its engine and exits)."""
+    start, written = time.monotonic(), None
+    while (returncode := proc.poll()) is None:
+        now = time.monotonic()
+        if written is None and os.path.exists(out):
+            written = now
+        if written is not None and now - written > EXIT_GRACE_S:
+            return None, "exit"
+        if timeout is not None and now - start > timeout:
+            return None, "timeout"
+        time.sleep(0.1)
+    return returncode, None
+
+
+def _start(cmd: list[str], env: dict, log: str, out: str,
+           timeout: float | None) -> tuple[int, str | None]:
+    """The worker's return code, and why it was stopped (:func:`_wait`), its stacks printed
+    first; every process of its session killed on an interrupt too."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            returncode, stopped = _wait(proc, out, timeout)
+        except BaseException:
+            _kill_session(proc.pid)  # its process group is in it
+            raise
+        if stopped:
+            _print_stacks(proc.pid)
+            time.sleep(STACKS_WAIT_S)
+            _kill_session(proc.pid)
+            returncode = proc.wait()
+    return returncode, stopped
+
+
 def _run(job: Job, work_dir: str, path: str) -> dict:
-    """The worker's run, every process of its session killed on an interrupt or a timeout:
-    a refusal's, or for any other run ``VLLM_PCP_ENGINE_TIMEOUT_S`` where set (a hung engine
-    fails with its log's errors instead of holding its pytest worker). Before a timeout's
-    kill, each process that registered for :data:`shared_gpu.STACKS_SIGNAL` (every vLLM
-    process of a check, through the test plugin) prints its Python stacks into the log."""
+    """The worker's run, every process of its session killed on an interrupt, a timeout
+    (a refusal's, or for any other run ``VLLM_PCP_ENGINE_TIMEOUT_S`` where set: a hung engine
+    fails with its log's errors instead of holding its pytest worker) or a hang at exit
+    (:data:`EXIT_GRACE_S` after its output: the output is whole and judged, ``hung_at_exit``
+    names the hang, and a warning). Before a timeout's or a hang's kill, each process that
+    registered for :data:`shared_gpu.STACKS_SIGNAL` (every vLLM process of a check, through
+    the test plugin) prints its Python stacks into the log."""
     out, log = (path.removesuffix(".json") + tail for tail in (".worker.json", ".log"))
     if os.path.exists(out):
         os.remove(out)  # never an earlier run's output
@@ -132,28 +173,21 @@ def _run(job: Job, work_dir: str, path: str) -> dict:
     if job.teacher:
         cmd += ["--teacher", job.teacher if isinstance(job.teacher, str)
                 else os.path.join(os.path.dirname(path), job.teacher.name + ".json")]
+    lay = layouts.LAYOUTS[job.layout]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           **shared_gpu.env(), **layouts.LAYOUTS[job.layout].env,
-           "VLLM_PCP_CHECK_SAMPLED_TOKENS": "1"}
-    start, timed_out = time.perf_counter(), False
+           **shared_gpu.env(), **lay.env, "VLLM_PCP_CHECK_SAMPLED_TOKENS": "1",
+           **(shared_gpu.without_mps() if lay.ray else {})}  # under MPS Ray lost its head
+    start = time.perf_counter()
     timeout = REFUSAL_TIMEOUT_S if job.refusal else float(os.environ.get(TIMEOUT_VAR) or 0) or None
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout)
-        except BaseException as exc:
-            if isinstance(exc, subprocess.TimeoutExpired):
-                _print_stacks(proc.pid)
-                time.sleep(STACKS_WAIT_S)
-            _kill_session(proc.pid)  # its process group is in it
-            if not isinstance(exc, subprocess.TimeoutExpired):
-                raise
-            returncode, timed_out = proc.wait(), True
+    returncode, stopped = _start(cmd, env, log, out, timeout)
+    timed_out, hung_at_exit = stopped == "timeout", stopped == "exit"
     entry = {"model": job.model, "variant": job.variant, "config": job.layout,
              "job": job.spec(), "git_rev": results.git_rev(),
-             "session": os.environ.get(SESSION_VAR), "returncode": returncode,
+             "session": os.environ.get(SESSION_VAR),
+             "returncode": 0 if hung_at_exit else returncode,
              "seconds": round(time.perf_counter() - start, 1)}
+    if hung_at_exit:
+        entry["hung_at_exit"] = {"killed_after_output_s": EXIT_GRACE_S, "returncode": returncode}
     text = Path(log).read_text()
     if job.refusal:
         record = judge.refusal_record(text, returncode, timed_out, entry["seconds"],
@@ -164,7 +198,7 @@ def _run(job: Job, work_dir: str, path: str) -> dict:
         entry.update(json.loads(Path(out).read_text()))
     if entry.get("shared_gpus"):  # its ranks shared GPUs: side by side, or time-sliced
         entry["mps"] = shared_gpu.mps_serves(env)
-    if returncode:
+    if entry["returncode"]:
         errors = judge.error_lines(text)
         if timed_out:
             errors.insert(0, f"timed out: still running after {timeout:g} s ({TIMEOUT_VAR})")
@@ -188,6 +222,9 @@ def run_engine(job: Job, work_dir: str) -> dict:
         entry = _run(job, work_dir, path)
         Path(path + ".tmp").write_text(json.dumps(entry))
         os.replace(path + ".tmp", path)
+    if hang := entry.get("hung_at_exit"):
+        warnings.warn(f"{job.name}: still running {hang['killed_after_output_s']:g} s after "
+                      f"its output was written, killed (its stacks: {path[:-5]}.log)")
     return entry
 
 

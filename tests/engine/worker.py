@@ -147,9 +147,16 @@ def score_cases(llm, cases: list[dict], teacher: str, out: dict) -> list[dict]:
 
 
 def _per_rank(llm, method: str, *args) -> list | None:
-    try:  # each rank's answer; the stock worker (one GPU) has no such method
+    """Each rank's answer to the PCP worker's ``method``; None where the engine runs vLLM's
+    own worker (PCP 1), which has none. Asked anyway, each rank would reply with a failure:
+    the executor raises at the first and leaves the others' unread, for later calls to
+    take as their answers."""
+    if llm.llm_engine.vllm_config.parallel_config.prefill_context_parallel_size == 1:
+        return None
+    try:
         return llm.collective_rpc(method, args=args)
-    except Exception:
+    except Exception as exc:  # the cases stay recorded
+        print(f"{method} on every rank failed: {exc!r}", file=sys.stderr, flush=True)
         return None
 
 
@@ -202,11 +209,13 @@ def engine_kwargs(layout: str, hf: dict, variant: str, max_tokens: int,
 
 
 def shut_down(llm) -> None:
-    """The engine's executor and ranks, stopped while Ray still runs. Left to the exit, Ray's
-    own shutdown (registered when ``ray`` is first imported, after the finalizers vLLM's
-    imports make) runs first; the executor's finalizer then calls ``ray.kill``, which starts
-    Ray again against the head that is gone (``RAY_ADDRESS``) and waits for it forever."""
-    llm.llm_engine.engine_core.shutdown()
+    """On Ray, the engine's executor and ranks, stopped while Ray still runs. Left to the
+    exit, Ray's own shutdown (registered when ``ray`` is first imported, after the
+    finalizers vLLM's imports make) runs first; the executor's finalizer then calls
+    ``ray.kill``, which starts Ray again against the head that is gone (``RAY_ADDRESS``)
+    and waits for it forever. Other executors stop at the exit, through that finalizer."""
+    if llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend == "ray":
+        llm.llm_engine.engine_core.shutdown()
 
 
 def main() -> None:
@@ -233,10 +242,11 @@ def main() -> None:
                      hf["vocab_size"], llm.get_tokenizer() if tokenizer else None)
     lay, cache = layouts.LAYOUTS[args.layout], llm.llm_engine.vllm_config.cache_config
     shared = os.environ.get("VLLM_PCP_TEST_SHARED_GPUS_ENGAGED")  # set by shared_gpu's plugin
-    Path(args.out).write_text(json.dumps({
+    Path(args.out + ".part").write_text(json.dumps({
         "kv_capacity_tokens": cache.num_gpu_blocks * cache.block_size * lay.dcp,
         "step_counts": _per_rank(llm, "pcp_step_counts"), "shared_gpus": shared,
         "sampled_token_checks": _per_rank(llm, "pcp_sampled_token_checks"), **out}))
+    os.replace(args.out + ".part", args.out)  # whole: the harness waits a while for the exit
     shut_down(llm)
 
 
