@@ -12,7 +12,7 @@ Service: all processes' kernels side by side instead of time slices; measured by
 ``probe_shared_gpu.py``). ``mps start`` runs one for this host's GPUs (its pipe folder:
 ``CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``); engines started afterwards with
 that variable use it, and their result files list them under ``mps_configs``. An engine
-whose rank a check kills runs outside it (:func:`without_mps`).
+whose rank a check kills, and an engine on Ray, runs outside it (:func:`without_mps`).
 
     python3 tests/engine/shared_gpu.py env [auto|force]   # `export K=V` lines for bash
     python3 tests/engine/shared_gpu.py mps start|stop     # `export K=V` lines for bash
@@ -51,7 +51,8 @@ def without_mps() -> dict[str, str]:
     """The variable that keeps an engine's CUDA off any MPS daemon (a pipe folder where none
     listens: CUDA then runs as without MPS). For an engine whose rank a check kills: NVIDIA's
     MPS does not support ending a client that has GPU work outstanding, and a fault it leaves
-    reaches every client of the daemon's server, every engine beside it included."""
+    reaches every client of the daemon's server, every engine beside it included. For an
+    engine on Ray: under the daemon one lost its local Ray head (``engines.py``)."""
     return {MPS_PIPE_VAR: tempfile.mkdtemp(prefix="vllm-pcp-no-mps-")}
 
 
