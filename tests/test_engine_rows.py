@@ -161,6 +161,30 @@ def test_feature_floor_rows_make_a_file_that_cuts_back_into_them(tmp_path):
     assert cut["features"]["cases"] == made["features"][2]["cases"]
 
 
+def test_vllms_own_tp2_feature_cases_land_beside_the_floor_not_among_the_comparisons(tmp_path):
+    """A MoE model's stock -tp 2 feature cases (test_features' expected failure, the floor
+    its layouts are held to) go into ``noise_floor_cases``, outside the summary of the
+    plugin's comparisons, and cut back into the same ``features`` row."""
+    (tmp_path / "rows").mkdir()
+    for config, passed in (("pcp2", True), ("tp2", False)):
+        cases = [{"model": "qwen3-moe-8e", "config": f"{config} vs pcp1-v1, chunked",
+                  "case": "burst", "prompt_lens": [5], "first_divergence": None if passed else 2,
+                  "max_abs_logprob_diff": 0.1, "passed": passed, "kind": "burst"}]
+        runs = [{"model": "qwen3-moe-8e", "variant": "chunked", "config": c, "git_rev": "aaa"}
+                for c in (config, "pcp1-v1")]
+        row = {"kind": "features", "key": ["qwen3-moe-8e", "chunked", config], "session": "s",
+               "command": "c", "runs": runs, "cases": cases}
+        (tmp_path / "rows" / f"{config}.json").write_text(json.dumps(row))
+    rows.write_results(str(tmp_path), str(tmp_path / "out"), "s", host={})
+    doc = _load("exactness-features.json", tmp_path / "out")
+    assert (doc["summary"]["cases"], doc["summary"]["passed"]) == (1, 1)
+    assert doc["summary"]["noise_floor"]["cases"] == 1
+    assert [c["config"] for c in doc["noise_floor_cases"]] == ["tp2 vs pcp1-v1, chunked"]
+    cut = {tuple(r["key"]): r for r in rows.committed_rows(str(tmp_path / "out"))}
+    assert cut[("qwen3-moe-8e", "chunked", "tp2")]["kind"] == "features"
+    assert [c["passed"] for c in cut[("qwen3-moe-8e", "chunked", "tp2")]["cases"]] == [False]
+
+
 def test_engines_under_mps_are_named_and_stay_named_once_cut_back(tmp_path):
     """``meta.ranks_shared_gpus.mps_configs`` lists the shared engines that ran under an MPS
     daemon, and a file cut back into rows keeps them apart from the time-sliced ones."""

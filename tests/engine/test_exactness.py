@@ -202,13 +202,13 @@ EXPERT_SHARDING_KEYS = {k: "vLLM's expert sharding rounds otherwise than one GPU
 @pytest.mark.parametrize("key", _params(FEATURE_KEYS, xfail=EXPERT_SHARDING_KEYS))
 def test_features(key, engine, record):
     """Each feature case by the top-5 rule and its kind's (seeded sampling: where exact), or
-    no worse than the model's floor where it has one: one GPU against itself on another
-    kernel, a MoE model's vLLM expert sharding (-tp 2) against one GPU (seeded sampling
-    stays exact where the layout's logits are)."""
+    no more misses than the model's floor where it has one: one GPU against itself on another
+    kernel, a MoE model's vLLM expert sharding (-tp 2) against one GPU."""
     runs, _, (cases, skipped) = _compare(engine, judge.compare_features, key)
     record("features", key, runs, cases=cases, not_compared=skipped)
-    floor = _feature_floor(engine, key)
-    assert not set(_failures(cases)) - tolerated(key[2], floor), (_failures(cases), sorted(floor))
+    missed = set(_failures(cases))
+    floor = _feature_floor(engine, key) if missed else set()
+    assert feature_misses_allowed(key[2], missed, floor), (sorted(missed), sorted(floor))
 
 
 def _feature_floor(engine, key) -> set[str]:
@@ -221,13 +221,20 @@ def _feature_floor(engine, key) -> set[str]:
     return set(_failures(_floor_features(engine, key[:2] + (FEATURE_FLOOR,)) or []))
 
 
-def tolerated(layout: str, floor: set[str]) -> set[str]:
-    """The feature cases ``layout`` may fail: seeded sampling where its logits round
-    otherwise than one GPU's, and ``floor`` (what one GPU fails against itself), but never
-    seeded sampling where the layout's logits are exact (:data:`EXACT_SAMPLING`), and never
-    an engine that failed."""
-    exact = layout in EXACT_SAMPLING
-    return (floor - {"engine"} | {"sampled_n4"}) - ({"sampled_n4"} if exact else set())
+def feature_misses_allowed(layout: str, missed: set[str], floor: set[str]) -> bool:
+    """Whether ``layout`` may miss the feature cases ``missed``: seeded sampling where its
+    logits round otherwise than one GPU's, and as many others as ``floor`` misses (as
+    :func:`allowed_misses` holds the greedy cases). Near ties decide which case a rounding
+    difference flips, so the count is held, not the names: on the MoE shape stock -tp 2
+    missed a 4,097-token prompt at its first token, which -pcp 2 passed. Never seeded sampling
+    where the layout's logits are exact (:data:`EXACT_SAMPLING`), never an engine that
+    failed; a floor's seeded-sampling miss excuses no other case."""
+    sampled = {"sampled_n4"}
+    if layout in EXACT_SAMPLING and missed & sampled:
+        return False
+    judged = missed - sampled
+    return ("engine" not in judged
+            and len(judged) <= allowed_misses({"floor": sorted(floor - sampled)}))
 
 
 def _floor_features(engine, key) -> list[dict] | None:
