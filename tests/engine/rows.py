@@ -54,18 +54,18 @@ def _cases(rows: list[dict], summary: dict, floors: list[dict] = ()) -> dict:
     return out
 
 
-def _stock_sharding(row: dict) -> bool:
-    """A row of vLLM's own -tp 2 (no PCP, no DCP: the plugin stays out), which the feature
-    cases show beside one GPU's floor, never among the plugin's comparisons."""
-    return row["key"][2] == judge.EXPERT_SHARDING_FLOOR
+def _stock_sharding(key) -> bool:
+    """An engine of vLLM's own -tp 2 (no PCP, no DCP: the plugin stays out), whose feature
+    cases the file shows beside one GPU's floor, never among the plugin's comparisons."""
+    return key[2] == judge.EXPERT_SHARDING_FLOOR
 
 
 def features(rows: list[dict], floors: list[dict] = ()) -> dict:
     """The feature cases by case name, the refusals apart, and the floors' feature cases
     (one GPU against itself: a floor row's ``features``; vLLM's -tp 2: its ``cases``)."""
     floor_cases = ([{"cases": r["features"]} for r in floors]
-                   + [r for r in rows if _stock_sharding(r)])
-    rows = [r for r in rows if not _stock_sharding(r)]
+                   + [r for r in rows if _stock_sharding(r["key"])])
+    rows = [r for r in rows if not _stock_sharding(r["key"])]
     cases = [c for r in rows for c in r["cases"] if c["case"] != "refusal"]
     refusals = [c for r in rows for c in r["cases"] if c["case"] == "refusal"]
     seconds = [c["seconds_to_failure"] for c in refusals if c["seconds_to_failure"] is not None]
@@ -175,7 +175,7 @@ def _cut_cases(doc: dict, add, kind_of, floor_field: str = "cases", **fields) ->
             not_compared=skipped.get(key, []), **fields)
     for key, cases in _by_key(doc.get("noise_floor_cases", [])).items():
         base = _key(key[0], cases[0]["config"])[1]
-        if floor_field == "features" and key[2] == judge.EXPERT_SHARDING_FLOOR:
+        if floor_field == "features" and _stock_sharding(key):
             add("features", key, base, cases=cases)  # test_features' row, shown as a floor
         else:
             add("floor", key, base, **{floor_field: cases})
