@@ -141,10 +141,21 @@ def test_pcp_without_dcp_keeps_the_cuda_graph_mode():
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
 
 
-def test_dcp_refuses_quantized_kv_cache():
-    cfg = _config(decode_context_parallel_size=2, cache_dtype="fp8")
-    with pytest.raises(PCPConfigError, match="--kv-cache-dtype fp8"):
-        prepare_pcp_config(cfg)
+def test_dcp_refuses_quantized_kv_cache_and_names_the_ways_out():
+    """-pcp 2 -dcp 2 with fp8: an unquantized cache, or -pcp 2 alone, which takes fp8; with
+    e5m2, which -pcp alone refuses too, only the cache; DCP inside TP: vLLM's -tp alone."""
+    cases = [(_config(decode_context_parallel_size=2, cache_dtype="fp8"),
+              "--kv-cache-dtype fp8: vllm-pcp's DCP runs unquantized KV caches; pass "
+              "--kv-cache-dtype auto, or drop -dcp (-pcp 2 alone runs it)"),
+             (_config(decode_context_parallel_size=2, cache_dtype="fp8_e5m2"),
+              "unquantized KV caches; pass --kv-cache-dtype auto\n"),
+             (_config(pcp=1, decode_context_parallel_size=2, cache_dtype="fp8", backend=FI),
+              "unquantized KV caches; pass --kv-cache-dtype auto, or drop -dcp (vLLM runs "
+              "it with -tp alone)")]
+    for cfg, message in cases:
+        with pytest.raises(PCPConfigError) as err:
+            prepare_pcp_config(cfg)
+        assert message in str(err.value) + "\n", str(err.value)
 
 
 FI = SimpleNamespace(name="FLASHINFER")

@@ -34,6 +34,18 @@ def pcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
             "(fp8 is); pass --kv-cache-dtype fp8 (e4m3) or auto, or drop -pcp")
 
 
+def _dcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
+    """Why ``-dcp`` refuses a quantized KV cache, and the ways out: an unquantized cache, or
+    the layout without ``-dcp`` where it takes ``cache_dtype`` (-tp alone is vLLM's own)."""
+    way_out = "pass --kv-cache-dtype auto"
+    if pcp == 1:
+        way_out += ", or drop -dcp (vLLM runs it with -tp alone)"
+    elif cache_dtype in PCP_CACHE_DTYPES:
+        way_out += f", or drop -dcp (-pcp {pcp} alone runs it)"
+    return (f"--kv-cache-dtype {cache_dtype}: vllm-pcp's DCP runs unquantized KV caches; "
+            f"{way_out}")
+
+
 def _dcp_refusals(vllm_config) -> list[str]:
     parallel = vllm_config.parallel_config
     pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
@@ -49,8 +61,7 @@ def _dcp_refusals(vllm_config) -> list[str]:
         out.append("--dcp-comm-backend a2a: vllm-pcp's DCP exchanges partial states itself; "
                    "omit the flag")
     if cache_dtype not in DCP_CACHE_DTYPES:
-        out.append(f"--kv-cache-dtype {cache_dtype}: vllm-pcp's DCP runs unquantized KV "
-                   "caches")
+        out.append(_dcp_kv_dtype_refusal(cache_dtype, pcp))
     return out + _dcp_attention_refusals(vllm_config.model_config, pcp)
 
 
