@@ -21,6 +21,18 @@ def _configs_see_enough_gpus(request, monkeypatch):
         monkeypatch.setattr(current_platform, "device_count", lambda: 8)
 
 
+@pytest.fixture(autouse=True)
+def _no_pinned_memory_without_cuda(monkeypatch):
+    """vLLM stages its host-to-device copies in pinned memory, which needs a CUDA driver;
+    the CPU tests run vLLM's PCP manager on the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        import vllm.utils.torch_utils as torch_utils
+
+        monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)
+
+
 def pytest_addoption(parser):
     parser.addoption("--results-dir", default=None,
                      help="where the GPU suites (tests/gpu, tests/engine) write their result "

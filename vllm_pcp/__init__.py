@@ -1,50 +1,56 @@
 """vllm-pcp: prefill context parallelism for GQA models on FlashInfer, as a vLLM plugin.
 
-Data flow of one engine step with ``--prefill-context-parallel-size N``::
+One engine step with ``--prefill-context-parallel-size N`` on vLLM's Model Runner V2::
 
     scheduler output (same on every rank)
-      -> runner.PCPModelRunner._prepare_inputs
-           pcp.partition.build_pcp_metadata   split prefills into 2N chunks, rank r
-                                              keeps chunks r and 2N-1-r, P rows each
-           dcp.plan.build_dcp_plan            with -dcp N: the step's attention rows
-                                              over the sharded cache (dcp.layout,
-                                              dcp.prefix)            -> runner.PCPStep
-      -> runner._build_attention_metadata     one metadata per KV cache group:
-                                              backend.PCPSplitMetadata (FlashInfer's
-                                              plan of the local rows) or
-                                              backend.PCPDCPMetadata (dcp.attention
-                                              planned once, dcp.index)
-      -> runner._model_forward                the model on P rows per rank
-           every attention layer              pcp.exchange.gather_kv -> cache write
-             (backend.PCPFlashInferImpl)      of all ranks' K/V -> FlashInfer over the
-                                              local chunks, or dcp.attention (shard
-                                              partials merged by LSE)
-           pcp.exchange.restore_hidden_states all-gather, scheduler order again
-      -> sampler (stock)                      identical logits on every rank
+      -> manager.GQAPCPManager.partition_batch   split long prompts into 2N chunks, rank r
+                                                 keeps chunks r and 2N-1-r (pcp.partition);
+                                                 vLLM's manager builds the local batch and
+                                                 the gathered slot mapping -> manager.PCPStep
+      -> runner.PCPModelState.prepare_attn       one FlashInfer plan per KV cache group,
+                                                 with the step (backend, dcp.plan)
+      -> every attention layer                   all-gather the new K/V, write it, attend the
+           (backend.PCPFlashInferImpl)           local rows over the paged cache; with -dcp
+                                                 each rank its shard, merged by LSE
+      -> vLLM's restore and sampler              identical logits on every rank
 
 ``register`` is the ``vllm.general_plugins`` entry point; vLLM calls it in every
-process (front end, engine core, each worker, Ray workers), possibly more than
-once. It applies :mod:`vllm_pcp.patches` (the FLASHINFER backend override and
-three config hooks); :mod:`vllm_pcp.config` checks a configuration at start-up
-and selects :class:`vllm_pcp.worker.PCPWorker`, which runs the PCP model runner.
+process (front end, engine core, each worker, Ray workers), possibly more than once.
+It puts the plugin's backend behind ``FLASHINFER`` (vLLM's ``register_backend``) and
+applies :mod:`vllm_pcp.patches`; :mod:`vllm_pcp.config` checks a configuration at
+start-up and selects :class:`vllm_pcp.worker.PCPWorker`.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
+BACKEND = "vllm_pcp.backend.PCPFlashInferBackend"
 _registered = False
 
 
 def register() -> None:
-    """Install the PCP backend and config hook in this process (idempotent)."""
+    """Install the PCP backend and the config hook in this process (idempotent).
+
+    On a vLLM other than :data:`vllm_pcp.config.VLLM_VERSION` it installs only the
+    refusal of ``-pcp`` and logs which version it needs."""
     global _registered
     if _registered:
         return
     _registered = True
+    import vllm
     from vllm.logger import init_logger
 
-    from vllm_pcp.patches import apply_all
+    from vllm_pcp.config import version_refusal
+    from vllm_pcp.patches import apply_all, refuse_pcp
 
+    logger = init_logger("vllm.vllm_pcp")
+    refusal = version_refusal(vllm.__version__)
+    if refusal is not None:
+        logger.warning("vllm-pcp %s is inactive: %s", __version__, refusal)
+        refuse_pcp(refusal)
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.FLASHINFER, BACKEND)
     apply_all()
-    init_logger("vllm.vllm_pcp").info(
-        "vllm-pcp %s registered: FLASHINFER backend with PCP support", __version__)
+    logger.info("vllm-pcp %s registered: FLASHINFER backend with PCP support", __version__)

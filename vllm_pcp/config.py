@@ -1,14 +1,16 @@
 """Start-up checks for PCP on GQA models.
 
-:func:`prepare_pcp_config` runs once, where vLLM finalises its config (see
-``patch_platform_config``): it refuses what the plugin cannot run exactly,
-naming the flag and the way out, checks the knobs (:mod:`vllm_pcp.knobs`), and
-selects the plugin's worker.
+:func:`prepare_pcp_config` runs once, where vLLM finalises its config
+(:mod:`vllm_pcp.patches.platform_config`): it refuses what the plugin cannot run
+exactly, naming the flag and the way out, checks the knobs (:mod:`vllm_pcp.knobs`),
+and selects the plugin's worker. Each worker checks again where vLLM builds its PCP
+manager (:meth:`vllm_pcp.manager.GQAPCPManager.validate_config`).
 """
 from __future__ import annotations
 
 WORKER_CLS = "vllm_pcp.worker.PCPWorker"
 STOCK_WORKER_CLS = ("auto", "vllm.v1.worker.gpu_worker.Worker")
+VLLM_VERSION = "0.33.0"  # the one vLLM release vllm-pcp runs on (pyproject.toml)
 
 
 class PCPConfigError(ValueError):
@@ -36,11 +38,9 @@ def pcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
 
 def _dcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
     """Why ``-dcp`` refuses a quantized KV cache, and the ways out: an unquantized cache, or
-    the layout without ``-dcp`` where it takes ``cache_dtype`` (-tp alone is vLLM's own)."""
+    the layout without ``-dcp`` where it takes ``cache_dtype``."""
     way_out = "pass --kv-cache-dtype auto"
-    if pcp == 1:
-        way_out += ", or drop -dcp (vLLM runs it with -tp alone)"
-    elif cache_dtype in PCP_CACHE_DTYPES:
+    if cache_dtype in PCP_CACHE_DTYPES:
         way_out += f", or drop -dcp (-pcp {pcp} alone runs it)"
     return (f"--kv-cache-dtype {cache_dtype}: vllm-pcp's DCP runs unquantized KV caches; "
             f"{way_out}")
@@ -52,8 +52,8 @@ def _dcp_refusals(vllm_config) -> list[str]:
     cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
     if dcp == 1:
         return ([pcp_kv_dtype_refusal(cache_dtype, pcp)]
-                if pcp > 1 and cache_dtype not in PCP_CACHE_DTYPES else [])
-    if pcp > 1 and dcp != pcp:
+                if cache_dtype not in PCP_CACHE_DTYPES else [])
+    if dcp != pcp:
         return [f"--decode-context-parallel-size {dcp}: with -pcp {pcp} it must be 1 or "
                 f"{pcp} (the KV cache sharded over the PCP ranks)"]
     out = []
@@ -65,7 +65,7 @@ def _dcp_refusals(vllm_config) -> list[str]:
     return out + _dcp_attention_refusals(vllm_config.model_config, pcp)
 
 
-# vLLM 0.26.0 models whose attention layers have sinks, by architecture or by the hf
+# vLLM models whose attention layers have sinks, by architecture or by the hf
 # config setting that turns them on (gpt_oss.py, mimo_v2.py, laguna.py)
 _SINK_ARCHITECTURES = ("GptOssForCausalLM",)
 _SINK_SETTINGS = ("add_swa_attention_sink_bias", "swa_attention_sink_enabled")
@@ -88,21 +88,11 @@ def _attention_sinks(model) -> str | None:
 
 def _dcp_attention_refusals(model, pcp: int) -> list[str]:
     """Attention settings of the model that vllm-pcp's DCP attention does not plan
-    (it runs FlashInfer without ``window_left``, ``logits_soft_cap`` or sinks).
-
-    The sliding window is ``ModelConfig.get_sliding_window()`` (the hf text config's
-    ``sliding_window``, None once ``--disable-sliding-window`` is given), the soft cap
-    the ``attn_logit_softcapping`` vLLM's models pass to their attention layers.
-    :class:`vllm_pcp.backend.PCPFlashInferImpl` checks every layer again.
-    """
-    way_out = f"drop -dcp (run -pcp {pcp} alone)" if pcp > 1 else "drop -dcp"
+    (it runs FlashInfer without ``logits_soft_cap`` or sinks; sliding windows are
+    refused for every layout, :func:`_attention_refusals`), read from the model's
+    config. :class:`vllm_pcp.backend.PCPFlashInferImpl` checks every layer again."""
+    way_out = f"drop -dcp (run -pcp {pcp} alone)"
     out = []
-    window = _hf_setting(model, "sliding_window")
-    if window:  # Qwen2-MoE configs keep 0 for no window
-        out.append(f"sliding-window attention (the model's sliding_window = {window}): "
-                   "vllm-pcp's DCP attention has no window; "
-                   f"{way_out}, or pass --disable-sliding-window (caps --max-model-len at "
-                   "the window)")
     softcap = _hf_setting(model, "attn_logit_softcapping")
     if softcap:
         out.append(f"logit soft-capping (the model's attn_logit_softcapping = {softcap}): "
@@ -114,17 +104,15 @@ def _dcp_attention_refusals(model, pcp: int) -> list[str]:
     return out
 
 
-def dcp_layer_error(settings: list[str], pcp: int, dcp: int) -> PCPConfigError:
-    """The refusal of an attention layer whose ``settings`` (e.g. ``"sliding window of
-    4096 tokens"``) vllm-pcp's DCP attention does not plan; raised while the model is
-    built, so it stops the engine at start-up whatever the model's config says."""
-    layout = f"-pcp {pcp} -dcp {dcp}" if pcp > 1 else f"-dcp {dcp}"
-    way_out = f"run -pcp {pcp} alone" if pcp > 1 else "run without it"
+def dcp_layer_error(settings: list[str], pcp: int) -> PCPConfigError:
+    """The refusal of an attention layer whose ``settings`` (e.g. ``"logits_soft_cap
+    30.0"``) vllm-pcp's DCP attention does not plan; raised while the model is built,
+    so it stops the engine at start-up whatever the model's config says."""
     return PCPConfigError(
-        f"vllm-pcp cannot run --decode-context-parallel-size {dcp} ({layout}) with an "
-        f"attention layer with {' and '.join(settings)}: vllm-pcp's DCP attention plans "
-        "FlashInfer without window_left, logits_soft_cap, sinks or a quantized KV cache; "
-        f"drop --decode-context-parallel-size ({way_out})")
+        f"vllm-pcp cannot run --decode-context-parallel-size {pcp} (-pcp {pcp} -dcp {pcp}) "
+        f"with an attention layer with {' and '.join(settings)}: vllm-pcp's DCP attention "
+        "plans FlashInfer without window_left, logits_soft_cap, sinks or a quantized KV "
+        f"cache; drop --decode-context-parallel-size (run -pcp {pcp} alone)")
 
 
 def _cp_flags(pcp: int, dcp: int) -> tuple[str, str]:
@@ -148,22 +136,19 @@ def cp_layer_error(settings: list[str], pcp: int, dcp: int) -> PCPConfigError:
         "alone)")
 
 
-def dcp_scales_error(scales: list[float], pcp: int, dcp: int) -> PCPConfigError:
+def dcp_scales_error(scales: list[float], pcp: int) -> PCPConfigError:
     """The refusal of a KV cache group whose attention layers have different softmax
     ``scales``: vllm-pcp's DCP attention plans one scale per group (the builder's
     ``sm_scale``, its first layer's)."""
-    flags, drop = _cp_flags(pcp, dcp)
     return PCPConfigError(
-        f"vllm-pcp cannot run {flags} with attention layers of softmax scales "
-        f"{', '.join(map(str, scales))} in one KV cache group: vllm-pcp's DCP attention "
-        f"plans one scale for all of them; {drop} (vLLM's default attention backend takes "
-        "a scale per layer)")
+        f"vllm-pcp cannot run -pcp {pcp} -dcp {pcp} with attention layers of softmax "
+        f"scales {', '.join(map(str, scales))} in one KV cache group: vllm-pcp's DCP "
+        f"attention plans one scale for all of them; drop -dcp (run -pcp {pcp} alone)")
 
 
-def _refusals(vllm_config) -> list[str]:
+def _refusals(vllm_config, supports_mm_inputs: bool = False) -> list[str]:
     parallel = vllm_config.parallel_config
     model = vllm_config.model_config
-    cp = "-pcp" if parallel.prefill_context_parallel_size > 1 else "-dcp"
     out = []
     if parallel.data_parallel_size > 1:
         out.append("--data-parallel-size > 1: run one PCP engine per replica "
@@ -172,47 +157,82 @@ def _refusals(vllm_config) -> list[str]:
         out.append("--pipeline-parallel-size > 1: use -tp with -pcp instead")
     if vllm_config.speculative_config is not None:
         out.append("--speculative-config: speculative decoding is not supported "
-                   f"with PCP; drop it or drop {cp}")
+                   "with PCP; drop it or drop -pcp")
     if vllm_config.lora_config is not None:
-        out.append(f"--enable-lora: LoRA is not supported with PCP; drop it or drop {cp}")
-    if getattr(model, "is_multimodal_model", False):
+        out.append("--enable-lora: LoRA is not supported with PCP; drop it or drop -pcp")
+    if getattr(model, "is_multimodal_model", False) or supports_mm_inputs:
         out.append(f"multimodal model {model.model!r}: PCP serves text-only "
-                   f"models; drop {cp}")
+                   "models; drop -pcp")
+    if getattr(model, "is_encoder_decoder", False):
+        out.append(f"encoder-decoder model {model.model!r}: PCP serves decoder-only "
+                   "models; drop -pcp")
     if getattr(model, "enable_prompt_embeds", False):
-        out.append(f"--enable-prompt-embeds is not supported with PCP; drop it or drop "
-                   f"{cp}")
-    if parallel.prefill_context_parallel_size > 2 and getattr(model, "is_moe", False):
-        out.append(_moe_refusal(parallel.prefill_context_parallel_size))
+        out.append("--enable-prompt-embeds is not supported with PCP; drop it or drop -pcp")
     backend = _attention_backend_name(vllm_config)
     if backend not in (None, "FLASHINFER"):
         out.append(f"--attention-backend {backend}: PCP for GQA models runs on "
                    "FLASHINFER only; pass --attention-backend FLASHINFER or omit it")
-    return out + _unverified_refusals(vllm_config, cp) + _attention_refusals(vllm_config)
+    return (out + _knob_refusals(vllm_config) + _unverified_refusals(vllm_config)
+            + _attention_refusals(vllm_config) + _cuda_graph_refusals(vllm_config))
+
+
+def _cuda_graph_refusals(vllm_config) -> list[str]:
+    """Full CUDA graphs replay only decode steps whose rows every rank computes and
+    writes locally (``pcp_decode_policy`` replicate at DCP = 1); vllm-pcp plans every
+    other step's attention itself. :func:`prepare_pcp_config` sets the mode that
+    fits; a mode changed after it is refused here, in every worker."""
+    from vllm_pcp.knobs import PCPSettings
+
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if mode is None or not mode.has_full_cudagraphs():
+        return []
+    if not mode.separate_routine():
+        return [f"-cc.cudagraph_mode {mode.name}: full CUDA graphs of steps with prefills "
+                "would replay a split step's attention; use FULL_AND_PIECEWISE, "
+                "FULL_DECODE_ONLY, PIECEWISE or NONE"]
+    settings = PCPSettings.from_vllm_config(vllm_config)
+    if settings.dcp_world_size > 1 or not settings.unsplit_steps_local:
+        return [f"-cc.cudagraph_mode {mode.name}: vllm-pcp plans the attention of every "
+                "step under -dcp or pcp_decode_policy shard; use PIECEWISE or NONE"]
+    return []
+
+
+def _knob_refusals(vllm_config) -> list[str]:
+    """Knob values the layout cannot take (the knobs' own checks ran first)."""
+    from vllm_pcp.knobs import PCPKnobs
+
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
+    policy = PCPKnobs.from_additional_config(vllm_config.additional_config).decode_policy
+    if dcp > 1 and policy == "shard":
+        return [f"--additional-config pcp_decode_policy shard with -dcp {dcp}: every rank "
+                "attends its shard of each decode; drop the knob (auto) or drop -dcp"]
+    if dcp == 1 and pcp > 2 and policy == "replicate" and getattr(model, "is_moe", False):
+        return [_moe_refusal(pcp)]
+    return []
 
 
 def _moe_refusal(pcp: int) -> str:
-    """A mixture-of-experts model at PCP > 2. vLLM 0.26.0 all-gathers each expert layer's
-    tokens over the PCP ranks and sums the ranks' parts with a reduce-scatter
-    (``MoERunner._maybe_combine``). Each rank's slice is summed in another order, which
-    over two ranks gives the same bits (a + b = b + a) and over more does not: the tokens
-    every rank computes (decodes, unsplit prefills) then leave the ranks with different
-    logits, and each rank feeds its own sampled tokens into its next step."""
-    return (f"a mixture-of-experts model at -pcp {pcp}: vLLM sums each expert layer's parts "
-            "with a reduce-scatter over the PCP ranks, which over more than two ranks adds "
-            "them in another order on each rank, so the ranks' logits differ and they sample "
-            "different tokens; use -pcp 2 or drop -pcp (-tp shards the experts too)")
+    """A mixture-of-experts model at PCP > 2 with decodes on every rank. vLLM
+    all-gathers each expert layer's tokens over the PCP ranks and sums the ranks' parts
+    with a reduce-scatter. Each rank's slice is summed in another order, which over two
+    ranks gives the same bits (a + b = b + a) and over more does not: a token every rank
+    computes would leave the ranks with different logits, each sampling its own."""
+    return (f"--additional-config pcp_decode_policy replicate on a mixture-of-experts "
+            f"model at -pcp {pcp}: vLLM sums each expert layer's parts with a "
+            "reduce-scatter over the PCP ranks, in another order on each rank beyond two, "
+            "so ranks that compute the same decode get different logits; drop the knob "
+            "(auto shards the decodes: one rank computes each), or use -pcp 2")
 
 
-# vLLM 0.26.0 models that always pass ALiBi slopes and that ModelConfig.uses_alibi does
+# vLLM models that always pass ALiBi slopes and that ModelConfig.uses_alibi does
 # not name (step1.py)
 _ALIBI_ARCHITECTURES = ("Step1ForCausalLM",)
 
 
 def _alibi(model) -> str | None:
     """What gives the model ALiBi attention, or None: vLLM's own test
-    (``ModelConfig.uses_alibi``: BLOOM; Falcon's ``alibi``; MPT's ``attn_config.alibi``;
-    ``position_encoding_type = "alibi"``), or an architecture of
-    :data:`_ALIBI_ARCHITECTURES`."""
+    (``ModelConfig.uses_alibi``), or an architecture of :data:`_ALIBI_ARCHITECTURES`."""
     architectures = list(getattr(model, "architectures", None) or ())
     for arch in architectures:
         if arch in _ALIBI_ARCHITECTURES:
@@ -222,18 +242,10 @@ def _alibi(model) -> str | None:
     return None
 
 
-def _sm90() -> bool:
-    """Whether the GPU is SM90 (Hopper), where vLLM's FlashInfer metadata builder raises
-    on any sliding-window layer, after the weights are loaded."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_device_capability(90))
-
-
 def _attention_refusals(vllm_config) -> list[str]:
-    """Attention settings of the model that no attention path of vllm-pcp applies,
-    refused under every layout the plugin takes over (``-pcp``, ``-pcp -dcp``, DCP
-    inside TP). :class:`vllm_pcp.backend.PCPFlashInferImpl` checks every layer again."""
+    """Attention settings of the model that vllm-pcp does not apply or has not verified,
+    under every layout. :class:`vllm_pcp.backend.PCPFlashInferImpl` checks every layer
+    again."""
     parallel, model = vllm_config.parallel_config, vllm_config.model_config
     _, drop = _cp_flags(parallel.prefill_context_parallel_size,
                         parallel.decode_context_parallel_size)
@@ -241,138 +253,143 @@ def _attention_refusals(vllm_config) -> list[str]:
     alibi = _alibi(model)
     if alibi is not None:
         out.append(f"ALiBi attention ({alibi}): vllm-pcp's attention adds no ALiBi bias "
-                   "(vLLM 0.26.0's FlashInferImpl keeps the slopes and never reads them); "
+                   "(vLLM's FlashInferImpl keeps the slopes and never reads them); "
                    f"{drop}: vLLM's default attention backend applies ALiBi on one GPU "
                    "and with -tp alone")
     window = _hf_setting(model, "sliding_window")
-    if window and parallel.decode_context_parallel_size == 1 and _sm90():
-        out.append(f"sliding-window attention (the model's sliding_window = {window}) on "
-                   "SM90: vLLM 0.26.0's FlashInfer backend refuses sliding windows on Hopper "
-                   f"GPUs; {drop} (vLLM's default attention backend runs the window), or "
-                   "pass --disable-sliding-window (caps --max-model-len at the window)")
+    if window:  # Qwen2-MoE configs keep 0 for no window
+        out.append(f"sliding-window attention (the model's sliding_window = {window}): "
+                   "vLLM's PCP manager gathers block tables without the sliding-window "
+                   "masking of freed blocks, and vllm-pcp's attention has no window under "
+                   "-dcp; pass --disable-sliding-window (caps --max-model-len at the "
+                   f"window), or {drop}")
     shared = _hf_setting(model, "num_kv_shared_layers")
     if shared:
         out.append(f"cross-layer KV sharing (the model's num_kv_shared_layers = {shared}): "
-                   "not yet verified with vllm-pcp (under -dcp a sharing layer's forward "
-                   f"would write its own K/V into its target layer's cache); {drop}")
+                   f"not verified with vllm-pcp; {drop}")
     return out
 
 
-def _kv_transfer_refusal(vllm_config, cp: str) -> str:
+def _kv_transfer_refusal(vllm_config) -> str:
     connector = getattr(vllm_config.kv_transfer_config, "kv_connector", None)
-    why = ("KV connectors key workers by (pp rank, tp rank) and every PCP rank is tp "
-           "rank 0" if cp == "-pcp" else
-           "KV connectors are not verified with vllm-pcp's DCP cache layout")
-    return (f"--kv-transfer-config (kv_connector {connector}): {why}; drop it (and "
-            f"--kv-offloading-size, which sets it) or drop {cp}")
+    return (f"--kv-transfer-config (kv_connector {connector}): KV connectors key workers "
+            "by (pp rank, tp rank) and every PCP rank is tp rank 0; drop it (and "
+            "--kv-offloading-size, which sets it) or drop -pcp")
 
 
-def _unverified_refusals(vllm_config, cp: str) -> list[str]:
+def _unverified_refusals(vllm_config) -> list[str]:
     """Features vllm-pcp does not handle: refused until they are made exact."""
     model = vllm_config.model_config
     out = []
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        out.append(_kv_transfer_refusal(vllm_config, cp))
+        out.append(_kv_transfer_refusal(vllm_config))
     if getattr(model, "runner_type", "generate") == "pooling":
         out.append(f"pooling model {model.model!r} (--runner pooling): not yet verified "
-                   f"with vllm-pcp; drop {cp}")
+                   "with vllm-pcp; drop -pcp")
     if getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False):
         out.append(f"model {model.model!r} has layers other than attention (mamba, "
-                   f"linear attention): vllm-pcp runs attention-only models; drop {cp}")
+                   "linear attention): vllm-pcp runs attention-only models; drop -pcp")
     chunk = getattr(model, "attention_chunk_size", None)
     if chunk is not None:
         out.append(f"chunked local attention (the model's attention_chunk_size = {chunk}): "
-                   f"its virtual batches bypass vllm-pcp's K/V exchange; drop {cp}")
+                   "its virtual batches bypass vllm-pcp's K/V exchange; drop -pcp")
     cache = getattr(vllm_config, "cache_config", None)
     if getattr(cache, "kv_sharing_fast_prefill", False):
-        out.append(f"--kv-sharing-fast-prefill: not handled by vllm-pcp; drop it or drop "
-                   f"{cp}")
-    if cp == "-pcp" and getattr(vllm_config.parallel_config, "enable_expert_parallel", False):
+        out.append("--kv-sharing-fast-prefill: not handled by vllm-pcp; drop it or drop -pcp")
+    if getattr(vllm_config.parallel_config, "enable_expert_parallel", False):
         out.append("--enable-expert-parallel: vLLM's expert-parallel dispatch over the PCP "
                    "ranks is not verified with vllm-pcp; drop it (without it the experts are "
                    "sharded over the -tp x -pcp ranks and every rank's rows line up) or drop "
                    "-pcp")
-    if cp == "-pcp" and getattr(cache, "calculate_kv_scales", False):
+    if getattr(cache, "calculate_kv_scales", False):
         out.append("--calculate-kv-scales: each PCP rank would take the KV scales from its "
                    "own chunks' keys; drop it or drop -pcp")
     pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config",
                           None)
-    if cp == "-pcp" and getattr(pass_config, "enable_sp", False):
+    if getattr(pass_config, "enable_sp", False):
         out.append("--compilation-config pass_config.enable_sp (sequence parallelism; "
                    "fuse_gemm_comms turns it on): split steps run a local token count it "
                    "does not scatter over -tp; turn both off or drop -pcp")
     return out
 
 
-def stock_flashinfer_dcp_error(dcp: int) -> PCPConfigError:
-    """The refusal of vLLM's own FlashInfer DCP (PCP = 1, DCP = ``dcp``, FlashInfer
-    chosen by vLLM rather than named, so the plugin's worker is not in place)."""
-    return PCPConfigError(
-        f"vllm-pcp: --decode-context-parallel-size {dcp} on a FLASHINFER backend vLLM chose "
-        "itself would run vLLM 0.26.0's own FlashInfer DCP, whose tokens differ from one "
-        "GPU's (measured on 2 x H200: from the first generated token); pass "
-        "--attention-backend FLASHINFER to run vllm-pcp's DCP instead, or "
-        "--attention-backend FLASH_ATTN for vLLM's")
+def version_refusal(installed: str) -> str | None:
+    """Why vllm-pcp refuses ``-pcp`` on the installed vLLM, or None on :data:`VLLM_VERSION`."""
+    if installed == VLLM_VERSION:
+        return None
+    return (f"vllm-pcp needs vLLM {VLLM_VERSION} and found vLLM {installed}: install "
+            f"vllm=={VLLM_VERSION} (pip install vllm-pcp brings it), or drop -pcp")
 
 
 def takes_over(vllm_config) -> bool:
-    """PCP > 1 on a non-MLA model; or DCP inside TP (PCP = 1) with FLASHINFER named:
-    vLLM 0.26.0's own FlashInfer DCP gives wrong tokens, the plugin's replaces it."""
+    """PCP > 1 on a non-MLA model (MLA models keep vLLM's own PCP)."""
     parallel, model = vllm_config.parallel_config, vllm_config.model_config
-    if model is None or model.use_mla:
-        return False
-    if parallel.prefill_context_parallel_size > 1:
-        return True
-    return (parallel.decode_context_parallel_size > 1
-            and _attention_backend_name(vllm_config) == "FLASHINFER")
+    return (model is not None and not model.use_mla
+            and parallel.prefill_context_parallel_size > 1)
+
+
+def _refusal_error(vllm_config, refused: list[str]) -> PCPConfigError:
+    pcp = vllm_config.parallel_config.prefill_context_parallel_size
+    return PCPConfigError(f"vllm-pcp cannot run --prefill-context-parallel-size {pcp} "
+                          "with:\n  - " + "\n  - ".join(refused))
+
+
+def check_pcp_config(vllm_config, supports_mm_inputs: bool = False) -> None:
+    """Raise :class:`PCPConfigError` listing every refused flag of a config the plugin
+    takes over (knobs first, :mod:`vllm_pcp.knobs`); the same on every process."""
+    from vllm_pcp.knobs import PCPKnobs
+
+    if not takes_over(vllm_config):
+        return
+    PCPKnobs.from_additional_config(vllm_config.additional_config)
+    refused = _refusals(vllm_config, supports_mm_inputs) + _dcp_refusals(vllm_config)
+    if refused:
+        raise _refusal_error(vllm_config, refused)
 
 
 def prepare_pcp_config(vllm_config) -> bool:
-    """Validate a PCP > 1 config (or DCP inside TP on FlashInfer) for a non-MLA model
-    and select the PCP worker.
-
-    Returns True when the plugin takes the config over, False when it leaves
-    it to vLLM (PCP = 1 without FlashInfer DCP, MLA models, no model). Raises
-    :class:`PCPConfigError` listing every refused flag.
-    """
-    parallel = vllm_config.parallel_config
+    """Validate a PCP > 1 config for a non-MLA model, select the PCP worker and the CUDA
+    graphs it runs. Returns True when the plugin takes the config over, False when it
+    leaves it to vLLM (PCP = 1, MLA models, no model). Raises :class:`PCPConfigError`."""
     if not takes_over(vllm_config):
         return False
-    from vllm_pcp.knobs import PCPKnobs  # here, not above: knobs.py imports PCPConfigError
+    from vllm_pcp.knobs import PCPKnobs
 
-    PCPKnobs.from_additional_config(vllm_config.additional_config)  # refuses bad knobs
-    refused = _refusals(vllm_config) + _dcp_refusals(vllm_config)
-    if refused:
-        pcp, dcp = (parallel.prefill_context_parallel_size,
-                    parallel.decode_context_parallel_size)
-        layout = (f"--prefill-context-parallel-size {pcp}" if pcp > 1 else
-                  f"--decode-context-parallel-size {dcp} (DCP inside TP)")
-        raise PCPConfigError(f"vllm-pcp cannot run {layout} with:\n  - "
-                             + "\n  - ".join(refused))
+    PCPKnobs.from_additional_config(vllm_config.additional_config)
+    _fit_cuda_graphs(vllm_config)
+    check_pcp_config(vllm_config)
+    parallel = vllm_config.parallel_config
     if parallel.worker_cls not in STOCK_WORKER_CLS and parallel.worker_cls != WORKER_CLS:
-        raise PCPConfigError(
+        raise _refusal_error(vllm_config, [
             f"--worker-cls {parallel.worker_cls}: PCP needs the plugin's worker "
-            f"{WORKER_CLS}; omit --worker-cls")
+            f"{WORKER_CLS}; omit --worker-cls"])
     parallel.worker_cls = WORKER_CLS
-    if parallel.decode_context_parallel_size > 1:
-        _decode_cuda_graphs_only(vllm_config)
     return True
 
 
-def _logger():
-    from vllm.logger import init_logger
-
-    return init_logger("vllm.vllm_pcp.config")
-
-
-def _decode_cuda_graphs_only(vllm_config) -> None:
-    """Under PCP x DCP only pure decode steps replay CUDA graphs (full graphs of
-    the plugin's folded decode); every other step runs eagerly. ``NONE`` stays."""
+def _fit_cuda_graphs(vllm_config) -> None:
+    """Full CUDA graphs replay a decode step whose rows every rank computes, written
+    locally (the ``replicate`` decode policy at DCP = 1). Elsewhere (``shard`` decodes,
+    ``-dcp``, whose attention vllm-pcp plans each step) the attention layers run outside
+    the graphs: full graphs are turned into piecewise ones, or off."""
     from vllm.config import CUDAGraphMode
 
+    from vllm_pcp.knobs import PCPSettings
+
     compilation = vllm_config.compilation_config
-    if compilation.cudagraph_mode not in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
-        _logger().info("PCP x DCP: cudagraph_mode %s set to FULL_DECODE_ONLY (full graphs "
-                       "of pure decode steps, other steps eager)",
-                       getattr(compilation.cudagraph_mode, "name", "default"))
-        compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    mode = compilation.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
+        return
+    settings = PCPSettings.from_vllm_config(vllm_config)
+    if settings.unsplit_steps_local and settings.dcp_world_size == 1:
+        if mode.separate_routine():
+            return
+        new = CUDAGraphMode.FULL_AND_PIECEWISE  # full graphs of decode steps only
+    else:
+        new = (CUDAGraphMode.PIECEWISE if mode.has_piecewise_cudagraphs()
+               else CUDAGraphMode.NONE)
+    from vllm.logger import init_logger
+
+    init_logger("vllm.vllm_pcp.config").info(
+        "vllm-pcp: cudagraph_mode %s set to %s", mode.name, new.name)
+    compilation.cudagraph_mode = new

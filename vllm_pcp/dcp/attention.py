@@ -16,11 +16,9 @@ calls, mirroring ``pcp_dcp_rank_attention`` of the tests' plain-torch oracle
 
 A pure decode step (``plan.decode``) is one decode-kernel call over the shard,
 the new token included, then one all-gather of the packed ``(out, lse)`` and one
-merge. As a full CUDA graph (``graph_rows``) its kernel reads index buffers at
-fixed addresses, one decode wrapper per captured batch size, as vLLM's own
-FlashInfer decode graphs do; planning a step rewrites those buffers.
+merge.
 
-Partial states are in the model dtype: FlashInfer 0.6.14 builds no attention
+Partial states are in the model dtype: FlashInfer builds no attention
 kernel with float32 outputs (its JIT names output dtypes of 8 and 16 bits only),
 and its merge kernels take 16-bit values. Each piece is rounded once before the
 LSE merge; a one-GPU attention output is rounded once in all.
@@ -54,8 +52,7 @@ class PlannedDCPStep:
     plan: DCPAttentionPlan
     decode_wrapper: object | None = None  # a pure decode step's planned decode wrapper
     new_kv_index: torch.Tensor | None = None  # [sum new keys] rows of the K/V buffer
-    has_local_rows: bool = False  # N >= 3: a rank may get no tokens
-    local_index: torch.Tensor | None = None  # [L] the local rows' step tokens
+    has_local_rows: bool = False
     context_slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (page, slot) sent
     kv_layout: str = "NHD"
     split_query: torch.Tensor | None = None  # rows of the gathered queries on this shard
@@ -105,7 +102,7 @@ class DCPAttention:
 
     def __init__(self, workspace: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, dtype: torch.dtype, sm_scale: float,
-                 kv_layout: str = "NHD", max_graph_rows: int = 0):
+                 kv_layout: str = "NHD"):
         import flashinfer
         from vllm.v1.attention.backends.flashinfer import fast_plan_decode
 
@@ -123,34 +120,25 @@ class DCPAttention:
             workspace, kv_layout, backend="auto")
         # Decode rows: FlashInfer's decode kernel splits each row's KV over the SMs (the
         # prefill kernel that "auto" picks on Hopper runs one row's 16K keys on one CTA).
-        self._decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper
-        self._decode = self._decode_wrapper(workspace, kv_layout, use_tensor_cores=True)
-        self._workspace, self._kv_layout = workspace, kv_layout
-        # Full CUDA graphs of decode steps: one wrapper per batch size, all reading
-        # index buffers at fixed addresses (filled by _plan_decode before a replay).
-        self.max_graph_rows = max_graph_rows
-        self._graph_decode: dict[int, object] = {}
-        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, kv_layout, use_tensor_cores=True)
+        self._kv_layout = kv_layout
 
     def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor,
-             graph_rows: int | None = None, kv_gathered: bool = True) -> PlannedDCPStep:
+             kv_gathered: bool = True) -> PlannedDCPStep:
         """Plan the step's kernels; every index the layers use goes to the device here.
 
-        ``block_table``: ``[num_reqs, max_pages]`` int32 on the GPU. Index
-        arguments stay on the CPU (FlashInfer plans on the host). ``graph_rows``
-        (decode steps only): the step replays, or captures, the full CUDA graph
-        of that many rows; rows past the batch are padding without keys.
-        ``kv_gathered``: :meth:`run` gets the step's K/V as the K/V exchange's
-        buffer (:func:`vllm_pcp.pcp.exchange.gather_kv`, context rows included);
-        False: in step order (DCP inside TP, where nothing is split).
+        ``block_table``: ``[num_reqs, max_pages]`` int32 on the GPU, one row per request
+        of the step. Index arguments stay on the CPU (FlashInfer plans on the host).
+        ``kv_gathered``: :meth:`run` gets the step's K/V as the K/V exchange's buffer
+        (:func:`vllm_pcp.pcp.exchange.gather_kv`, context rows included); False: in
+        step order (a step whose tokens every rank computes).
         """
         dev = block_table.device
         step = PlannedDCPStep(plan, kv_layout=self._kv_layout)
         if plan.decode is not None:
-            step.decode_wrapper = self._plan_decode(plan.decode, block_table, graph_rows)
+            step.decode_wrapper = self._plan_decode(plan.decode, block_table)
             return step
-        if graph_rows is not None:
-            raise ValueError("only pure decode steps run as CUDA graphs")
 
         def to_dev(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.to(dev, non_blocking=True)
@@ -159,7 +147,6 @@ class DCPAttention:
                                    else plan.new_kv_token_index)
         step.context_slots = (None if plan.ctx_gather is None else
                               context_slots(plan.ctx_gather, block_table, self.page_size))
-        step.local_index = to_dev(plan.pcp.local_token_indices)
         step.has_local_rows = plan.pcp.num_rows > 0
         if step.has_local_rows:
             hq, hkv, dim = self.heads
@@ -198,45 +185,16 @@ class DCPAttention:
                 covered += len(query)
         step.replicated_covered = covered == len(query_index)
 
-    def _plan_decode(self, rows: AttentionRows, block_table: torch.Tensor,
-                     graph_rows: int | None):
-        """Plan the decode kernel: row i (one query) over ``rows.kv_len[i]`` shard
-        tokens; the planned wrapper."""
+    def _plan_decode(self, rows: AttentionRows, block_table: torch.Tensor):
+        """Plan the decode kernel: row i (one query, request i) over ``rows.kv_len[i]``
+        shard tokens; the planned wrapper."""
         hq, hkv, dim = self.heads
-        kv_len = rows.kv_len
-        if graph_rows is not None:
-            kv_len = torch.cat([kv_len, kv_len.new_zeros(graph_rows - len(kv_len))])
-        # decode row i is request i; padding rows have no pages
-        indptr, indices, last = paged_kv_layout(kv_len, block_table, self.page_size)
-        wrapper = self._decode
-        if graph_rows is not None:
-            wrapper = self._graph_wrapper(graph_rows, block_table.shape[1])
-            buf_indptr, buf_indices, buf_last = self._graph_buffers
-            buf_indptr[: graph_rows + 1].copy_(indptr, non_blocking=True)
-            buf_indices[: len(indices)].copy_(indices, non_blocking=True)
-            buf_last[:graph_rows].copy_(last, non_blocking=True)
-        self._fast_plan_decode(wrapper, indptr, indices, last, hq, hkv, dim, self.page_size,
-                               sm_scale=self.sm_scale, q_data_type=self.dtype,
-                               kv_data_type=self.dtype, o_data_type=self.dtype)
-        return wrapper
-
-    def _graph_wrapper(self, rows: int, max_pages_per_row: int):
-        """The CUDA-graph decode wrapper of ``rows`` rows (made on first use)."""
-        if rows > self.max_graph_rows:
-            raise ValueError(f"a decode graph of {rows} rows, more than the "
-                             f"{self.max_graph_rows} planned for")
-        if self._graph_buffers is None:
-            n, dev = self.max_graph_rows, self._workspace.device
-            self._graph_buffers = tuple(torch.zeros(size, dtype=torch.int32, device=dev)
-                                        for size in (n + 1, n * max_pages_per_row, n))
-        wrapper = self._graph_decode.get(rows)
-        if wrapper is None:
-            indptr, indices, last = self._graph_buffers
-            wrapper = self._graph_decode[rows] = self._decode_wrapper(
-                self._workspace, self._kv_layout, use_cuda_graph=True,
-                paged_kv_indptr_buffer=indptr[: rows + 1], paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last[:rows], use_tensor_cores=True)
-        return wrapper
+        indptr, indices, last = paged_kv_layout(rows.kv_len, block_table, self.page_size)
+        self._fast_plan_decode(self._decode, indptr, indices, last, rows.kv_len, hq, hkv,
+                               dim, self.page_size, sm_scale=self.sm_scale,
+                               q_data_type=self.dtype, kv_data_type=self.dtype,
+                               o_data_type=self.dtype)
+        return self._decode
 
     def _paged_rows(self, rows: AttentionRows, block_table: torch.Tensor,
                     keep: torch.Tensor | None):
@@ -271,9 +229,10 @@ class DCPAttention:
         if paged is None:
             return None
         (kept, indptr, indices, last), (hq, hkv, dim) = paged, self.heads
-        self._fast_plan_decode(self._decode, indptr, indices, last, hq, hkv, dim,
-                               self.page_size, sm_scale=self.sm_scale, q_data_type=self.dtype,
-                               kv_data_type=self.dtype, o_data_type=self.dtype)
+        self._fast_plan_decode(self._decode, indptr, indices, last, kept.kv_len, hq, hkv,
+                               dim, self.page_size, sm_scale=self.sm_scale,
+                               q_data_type=self.dtype, kv_data_type=self.dtype,
+                               o_data_type=self.dtype)
         return kept.query_index
 
     def run(self, step: PlannedDCPStep, group, q_local: torch.Tensor, k_step: torch.Tensor,
@@ -284,11 +243,14 @@ class DCPAttention:
         ``q_local [L, Hq, D]``; ``k_step/v_step``: the K/V exchange's buffer
         ``[N * (P + Pc), Hkv, D]`` (split rows' context included, see :meth:`plan`),
         or ``[T, Hkv, D]`` in step order; ``kv_cache`` this rank's paged (K, V) in
-        ``kv_layout``. Returns ``[L, Hq, D]``: ``out`` where given (not on a decode
-        step), written in place. On a decode step ``q_local`` is the step's tokens and
-        K/V are not read."""
+        ``kv_layout``. Returns ``[L, Hq, D]``: ``out`` where given, written in place. On
+        a decode step ``q_local`` is the step's tokens and K/V are not read."""
         if step.plan.decode is not None:
-            return self._run_decode(step, group, q_local, kv_cache)
+            merged = self._run_decode(step, group, q_local, kv_cache)
+            if out is None:
+                return merged
+            out.copy_(merged)
+            return out
         out = self._out_like(q_local) if out is None else out
         if not step.has_local_rows:  # still serves the other ranks' split context below
             lse = torch.empty(q_local.shape[:2], dtype=torch.float32, device=q_local.device)
@@ -328,28 +290,6 @@ class DCPAttention:
             self._merge_state_in_place(out[rows], lse[rows], ctx_o, ctx_s)
         else:
             out[rows], lse[rows] = self._merge_state(ctx_o, ctx_s, out[rows], lse[rows])
-
-    def run_heads_gathered(self, step: PlannedDCPStep, group, q: torch.Tensor,
-                           k_step: torch.Tensor, v_step: torch.Tensor,
-                           kv_cache) -> torch.Tensor:
-        """DCP inside TP (PCP = 1): every rank runs every token of the step with its own
-        query heads, and the DCP ranks share their K/V heads.
-
-        ``q [T, Hq / N, D]`` this rank's heads, step order; ``k_step/v_step [T, Hkv, D]``
-        the step's K/V, the same on every rank. The heads are all-gathered, the step
-        runs planned as all-replicated rows (``num_qo_heads``: the group's heads), and
-        this rank's heads of the (identical) result come back: ``[T, Hq / N, D]``.
-        """
-        heads, rank = q.shape[1], group.rank_in_group
-        q_all = group.all_gather(q.contiguous(), dim=1)
-        if step.plan.decode is not None:
-            out = self._run_decode(step, group, q_all, kv_cache)
-        else:  # local rows are the step's tokens, decodes first
-            local = step.local_index
-            out = torch.empty_like(q_all)
-            out[local] = self.run(step, group, q_all.index_select(0, local), k_step, v_step,
-                                  kv_cache)
-        return out[:, rank * heads:(rank + 1) * heads]
 
     def _run_decode(self, step: PlannedDCPStep, group, q: torch.Tensor,
                     kv_cache) -> torch.Tensor:

@@ -26,9 +26,9 @@ partial outputs back (``Pc``: the most context tokens any rank stores), the
 cheaper when the context is short next to the chunk or the model has few KV
 heads; ``"auto"`` picks by those sizes, the same on every rank. The context is
 read before the step's cache write, so a request whose context another request
-writes in the same step (a prefix hit on blocks vLLM cached at allocation,
-:mod:`vllm_pcp.dcp.prefix`) never fetches it: its split rows take the queries
-road, which reads the cache after the write, while the step's other split
+may write in the same step (a prefix hit on blocks vLLM cached at allocation,
+:func:`context_maybe_written_in_step`) never fetches it: its split rows take the
+queries road, which reads the cache after the write, while the step's other split
 requests may still fetch theirs (``"auto"`` sizes only those).
 
 A pure decode step (one token per request, and every rank stores at least one
@@ -52,9 +52,7 @@ import torch
 from vllm_pcp.dcp.layout import (dcp_local_offset, dcp_local_seq_len,
                                  dcp_local_seq_lens_all_ranks, dcp_owner)
 from vllm_pcp.knobs import CONTEXT_EXCHANGES
-from vllm_pcp.pcp.partition import (PrefillContextParallelMetadata,
-                                    build_pcp_metadata_all_ranks, expand_ranges, indptr_of,
-                                    split_requests)
+from vllm_pcp.pcp.partition import PrefillContextParallelMetadata, expand_ranges, indptr_of
 
 
 @dataclass(frozen=True)
@@ -272,52 +270,52 @@ def _decode_rows(computed: np.ndarray, rank: int, world_size: int,
                          kv_len=kv.to(torch.int32))
 
 
-def build_dcp_plan(
-    num_computed_tokens: Sequence[int],
-    num_scheduled_tokens: Sequence[int],
-    world_size: int,
-    rank: int,
-    interleave: int,
-    *,
-    min_split_tokens: int = 2,
-    decode_threshold: int = 1,
-    prefill_lens: Sequence[int] | None = None,
-    context_exchange: str = "queries",
-    kv_to_q_heads: float = 1.0,
-    context_written_in_step: np.ndarray | None = None,
-) -> DCPAttentionPlan:
-    """Plan one step for ``rank`` of a group that is both the PCP and the DCP group.
+def context_maybe_written_in_step(num_computed_tokens: np.ndarray,
+                                  num_scheduled_tokens: np.ndarray) -> np.ndarray:
+    """``[R]`` bool: requests whose cached context another request of the step may write.
 
-    ``context_exchange``: how split rows reach their context, one of
-    :data:`CONTEXT_EXCHANGES` (module docstring); ``kv_to_q_heads``: KV heads per
-    query head, for ``"auto"``. ``context_written_in_step``: ``[R]`` bool, requests
-    whose context this step writes (:func:`vllm_pcp.dcp.prefix.context_written_in_step`);
-    their split rows reach it through the queries exchange, whatever the knob.
+    vLLM caches a request's blocks when it allocates them, so a request scheduled beside
+    another (``n > 1``, a shared system prompt) can count as computed the tokens that the
+    other computes in this very step, on the same blocks. Prefix sharing is by whole
+    blocks at the same positions: request j writes positions ``[C_j, C_j + S_j)``, which
+    lie in request i's context ``[0, C_i)`` only if ``C_j < C_i``. This flags every i with
+    such a j, a superset of the real hits, from the scheduler output alone."""
+    computed = np.asarray(num_computed_tokens, dtype=np.int64)
+    writes = np.asarray(num_scheduled_tokens, dtype=np.int64) > 0
+    if not writes.any():
+        return np.zeros(len(computed), dtype=bool)
+    return computed > computed[writes].min()
+
+
+def build_dcp_plan(step, interleave: int, *, context_exchange: str = "queries",
+                   kv_to_q_heads: float = 1.0) -> DCPAttentionPlan:
+    """Plan one step for this rank of a group that is both the PCP and the DCP group.
+
+    ``step``: the step's split (:class:`vllm_pcp.manager.PCPStep`: every rank's view,
+    the scheduled and computed tokens). ``context_exchange``: how split rows reach their
+    context, one of :data:`CONTEXT_EXCHANGES` (module docstring); ``kv_to_q_heads``: KV
+    heads per query head, for ``"auto"``. Requests whose context this step may write
+    (:func:`context_maybe_written_in_step`) reach it through the queries exchange,
+    whatever the knob.
     """
-    computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
-    scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    computed = np.asarray(step.num_computed_tokens, dtype=np.int64).reshape(-1)
+    scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64).reshape(-1)
+    metas, rank = step.plans, step.pcp_rank
+    world_size = len(metas)
     if is_folded_decode(computed, scheduled, world_size, interleave):
         return DCPAttentionPlan(
             pcp=None, dcp_world_size=world_size, dcp_rank=rank, interleave=interleave,
             new_kv_token_index=None, new_kv_indptr=None, ctx_split=None,
             ctx_replicated=None, decode=_decode_rows(computed, rank, world_size, interleave))
-    metas = build_pcp_metadata_all_ranks(computed, scheduled, world_size,
-                                         min_split_tokens=min_split_tokens,
-                                         prefill_lens=prefill_lens,
-                                         decode_threshold=decode_threshold)
     mine, padded = metas[rank], metas[0].num_padded_tokens_per_rank
     token_start = np.cumsum(scheduled) - scheduled
-    split = split_requests(scheduled, min_split_tokens, prefill_lens)
+    split = mine.split.numpy()
 
     local_kv = dcp_local_seq_len(torch.from_numpy(computed), rank, world_size,
                                  interleave).numpy()
     has_context = computed > 0
     # context that this step writes is in the cache only after the write: not fetched
-    may_fetch = split & has_context
-    if context_written_in_step is not None:
-        may_fetch &= ~np.asarray(context_written_in_step, dtype=bool).reshape(-1)
+    may_fetch = split & has_context & ~context_maybe_written_in_step(computed, scheduled)
 
     rows_req = mine.row_req_indices.numpy().astype(np.int64)
     new_lens = mine.seq_lens.numpy().astype(np.int64) - computed[rows_req]

@@ -1,7 +1,7 @@
 """Patch of ``vllm.config.model.ModelConfig.verify_with_parallel_config``.
 
 Why
-    vLLM 0.26.0 asserts, for every non-MLA model with DCP > 1, that the TP size
+    vLLM 0.33.0 asserts, for every non-MLA model with DCP > 1, that the TP size
     exceeds the KV-head count and bounds DCP by ``TP // kv_heads``. Those
     checks describe DCP inside TP, where KV heads are replicated across TP
     ranks. With DCP == PCP the cache is sharded over the PCP ranks instead and

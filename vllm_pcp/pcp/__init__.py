@@ -1,2 +1,3 @@
 """Prefill context parallelism: the split of a step's prefills over the PCP ranks
-(:mod:`.partition`, pure) and the step's two collectives (:mod:`.exchange`)."""
+(:mod:`.partition`, pure), the K/V exchange (:mod:`.exchange`), the ragged kernel of
+fresh prompts (:mod:`.ragged`) and the memory a split step holds (:mod:`.memory`)."""

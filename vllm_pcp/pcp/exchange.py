@@ -1,6 +1,8 @@
-"""The two exchanges of a PCP step: K/V before the cache write, hidden states
-before sampling. Both move ``num_padded_tokens_per_rank`` rows per rank, a
-size every rank computes from the same scheduler output.
+"""The collectives of vllm-pcp's attention: the K/V all-gather before the cache write
+(with the context rows of DCP's ``keys`` exchange) and DCP's query and partial-state
+exchanges. Each moves ``num_padded_tokens_per_rank`` rows per rank (or ``Pc``), sizes
+every rank computes from the same scheduler output; vLLM's PCP manager restores the
+hidden states.
 
 ``group`` is anything with ``world_size`` and ``all_gather(tensor, dim)``:
 vLLM's ``GroupCoordinator`` in the engine, a gloo adapter in the CPU tests.
@@ -68,48 +70,6 @@ def with_context_rows(gathered_token_indices: torch.Tensor, num_padded_tokens_pe
     blocks = gathered_token_indices.view(-1, num_padded_tokens_per_rank)
     pad = blocks.new_full((blocks.shape[0], num_context_rows), -1)
     return torch.cat((blocks, pad), dim=1).reshape(-1)
-
-
-def restore_hidden_states(group, hidden_states: torch.Tensor,
-                          num_padded_tokens_per_rank: int,
-                          restore_indices: torch.Tensor,
-                          num_output_rows: int | None = None) -> torch.Tensor:
-    """Gather every rank's hidden states and put them back in scheduler order.
-
-    Parameters
-    ----------
-    hidden_states : torch.Tensor
-        ``[L, H]``, this rank's local tokens.
-    restore_indices : torch.Tensor
-        ``[T]`` int64, gathered row of each global token.
-    num_output_rows : int, optional
-        Rows of the result (``>= T``); rows past ``T`` are zero, as the
-        runner's padded batch expects. Defaults to ``T``.
-
-    Returns
-    -------
-    torch.Tensor
-        ``[num_output_rows, H]``, identical on every rank.
-    """
-    gathered = all_gather_padded(group, hidden_states, num_padded_tokens_per_rank)
-    num_tokens = restore_indices.shape[0]
-    rows = num_tokens if num_output_rows is None else num_output_rows
-    if rows == num_tokens:
-        return gathered.index_select(0, restore_indices)
-    out = gathered.new_zeros((rows, *gathered.shape[1:]))
-    out[:num_tokens] = gathered.index_select(0, restore_indices)
-    return out
-
-
-def gathered_slot_mapping(slot_mapping: torch.Tensor,
-                          gathered_token_indices: torch.Tensor) -> torch.Tensor:
-    """Cache slot of each gathered row: ``[N * P]`` int64, -1 where nothing is written.
-
-    ``slot_mapping`` is the step's global ``[>= T]`` slot mapping.
-    """
-    valid = gathered_token_indices >= 0
-    slots = slot_mapping.index_select(0, gathered_token_indices.clamp(min=0))
-    return torch.where(valid, slots, torch.full_like(slots, -1))
 
 
 def all_to_all(group, x: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,6 @@ were live at once:
                 partial states and their merges; "queries" adds every rank's
                 queries [N * P, Hq, D] and their partials to and from every rank
     restore     hidden states: [N * P, H] gathered, [T, H] in scheduler order
-    -dcp in TP  every rank's query heads gathered for the step's T tokens, and the
-                partial states of every DCP rank (PCP = 1: nothing is split)
 
 ``"auto"`` may take either exchange in a step, so it is held to the larger (it takes
 "keys" only where that moves fewer bytes). A forced "keys" exchange in a step whose split
@@ -31,7 +29,7 @@ covers one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 LSE_BYTES = 4  # float32 log-sum-exp per row and query head
 
@@ -116,27 +114,11 @@ def dcp_layer_bytes(s: StepShape, exchange: str) -> int:
     return kv_gather_bytes(s) + 2 * kv_row * every + 2 * own + replicated + queries
 
 
-def heads_gathered_bytes(s: StepShape) -> int:
-    """One layer of DCP inside TP (PCP = 1): every rank runs the step's ``T`` tokens with
-    every DCP rank's query heads (:meth:`vllm_pcp.dcp.attention.DCPAttention.
-    run_heads_gathered`), every buffer counted as if all were live at once: the gathered
-    queries, their rows picked out (twice) and the output; the new tokens' K/V picked
-    out; the local output and LSE, and their merge; the replicated rows' partials, every
-    rank's gathered, regrouped and merged."""
-    wide = replace(s, num_q_heads=s.num_q_heads * s.dcp, pcp=s.dcp, rows=s.tokens)
-    q_rows = s.tokens * wide.num_q_heads * s.head_dim * s.dtype_bytes
-    kv_rows = 2 * s.tokens * s.num_kv_heads * s.head_dim * s.dtype_bytes
-    own = _partials_bytes(wide, s.tokens)
-    replicated = (2 + 3 * s.dcp) * _partials_bytes(wide, s.tokens, s.dcp)
-    return 4 * q_rows + kv_rows + 3 * own + replicated
-
-
 def step_bytes(s: StepShape) -> int:
     """The most a split step of shape ``s`` holds at once: its widest layer or the
-    restore of its hidden states; DCP inside TP (PCP = 1) splits nothing and restores
-    nothing: its layer."""
+    restore of its hidden states (nothing at PCP = 1)."""
     if s.pcp == 1:
-        return heads_gathered_bytes(s) if s.dcp > 1 else 0
+        return 0
     if s.dcp == 1:
         layer = ragged_layer_bytes(s) if s.ragged else kv_gather_bytes(s)
     elif s.exchange == "auto":

@@ -16,7 +16,9 @@ causal triangle::
 Rows that are not split -- decodes, and prefills shorter than
 ``min_split_tokens`` (see :func:`split_requests`) -- are replicated: every rank
 computes them and rank 0's copy is the one that is kept (restored for sampling,
-written to the KV cache).
+written to the KV cache). With ``shard_decodes`` each decode row is computed by
+one owner rank instead (the i-th decode of the step by rank ``i % N``), whose
+copy is the one kept.
 
 Each local chunk is a *row* of its own: it attends to the first
 ``seq_lens[row]`` tokens of its request, of which its own ``q_len`` tokens are
@@ -31,6 +33,7 @@ computed from the scheduler output alone and hence equal on every rank::
     gathered buffer  [rank 0 tokens | pad][rank 1 tokens | pad] ...
     gathered_token_indices[j]  global token whose K/V sits in row j (-1: skip)
     restore_indices[t]         row of the gathered buffer holding token t
+    padded_gather_indices[j]   global token computed in row j (0: a pad row)
 
 Each rank runs the model on its ``P`` rows (``model_input_indices``: its local
 tokens, then pad rows), so a rank with no local tokens -- common at N >= 3 for a
@@ -58,6 +61,8 @@ class PrefillContextParallelMetadata:
     ----------
     num_tokens_per_rank : tuple[int, ...]
         Local token count of every rank, length ``N``.
+    split : torch.Tensor
+        ``[num_reqs]`` bool, the requests cut into chunks (:func:`split_requests`).
     num_padded_tokens_per_rank : int
         ``P = max(num_tokens_per_rank)``: rows per rank of every all-gather.
         A function of the scheduler output only, hence rank-invariant.
@@ -86,6 +91,7 @@ class PrefillContextParallelMetadata:
     num_tokens_per_rank: tuple[int, ...]
     num_padded_tokens_per_rank: int
     num_split_requests: int
+    split: torch.Tensor
     local_token_indices: torch.Tensor
     restore_indices: torch.Tensor
     gathered_token_indices: torch.Tensor
@@ -161,14 +167,15 @@ def _plan_rank_rows(
     scheduled: np.ndarray,
     token_start: np.ndarray,
     split: np.ndarray,
+    on_rank: np.ndarray,
     pcp_world_size: int,
     pcp_rank: int,
     decode_threshold: int,
 ) -> _RankRows:
-    """Rows of one rank: replicated rows, then its head and tail chunks."""
+    """Rows of one rank: its unsplit rows (``on_rank``), then its head and tail chunks."""
     num_chunks = 2 * pcp_world_size
     reqs, subs, starts, q_lens, seq_lens = [], [], [], [], []
-    rep = np.flatnonzero(~split)
+    rep = np.flatnonzero(on_rank)
     reqs.append(rep)
     subs.append(np.zeros_like(rep))
     starts.append(token_start[rep])
@@ -190,6 +197,19 @@ def _plan_rank_rows(
     # Short rows first (vLLM's decode-first layout), then request order.
     order = np.lexsort((sub, req, q_len > decode_threshold))
     return _RankRows(req[order], start[order], q_len[order], seq_len[order])
+
+
+def decode_owners(split: np.ndarray, is_prefilling: np.ndarray | None,
+                  pcp_world_size: int, shard_decodes: bool) -> np.ndarray:
+    """``[R]`` int64: the one rank that computes each unsplit request, or -1 where every
+    rank computes it. With ``shard_decodes`` the i-th decode row of the step (a request
+    past its prefill) goes to rank ``i % N``; prefills that are not split stay on every
+    rank."""
+    owners = np.full(len(split), -1, dtype=np.int64)
+    if shard_decodes and is_prefilling is not None:
+        decodes = np.flatnonzero(~split & ~np.asarray(is_prefilling, dtype=bool))
+        owners[decodes] = np.arange(len(decodes)) % pcp_world_size
+    return owners
 
 
 def split_requests(num_scheduled_tokens: Sequence[int], min_split_tokens: int,
@@ -230,6 +250,8 @@ def build_pcp_metadata(
     decode_threshold: int = 1,
     prefill_lens: Sequence[int] | None = None,
     min_chunk_tokens: int = 2,
+    is_prefilling: Sequence[bool] | None = None,
+    shard_decodes: bool = False,
 ) -> PrefillContextParallelMetadata:
     """Plan one step for ``pcp_rank``.
 
@@ -249,13 +271,17 @@ def build_pcp_metadata(
         Per request, its whole prefill length (the prompt's).
     min_chunk_tokens : int
         Shorter chunks are replicated, not split (:func:`split_requests`).
+    is_prefilling, shard_decodes : sequence of bool, bool
+        With ``shard_decodes``, each unsplit request that ``is_prefilling`` marks as
+        past its prefill runs on one rank only (:func:`decode_owners`).
     """
     if not 0 <= pcp_rank < pcp_world_size:
         raise ValueError(f"pcp_rank {pcp_rank} outside [0, {pcp_world_size})")
     return build_pcp_metadata_all_ranks(
         num_computed_tokens, num_scheduled_tokens, pcp_world_size,
         min_split_tokens=min_split_tokens, decode_threshold=decode_threshold,
-        prefill_lens=prefill_lens, min_chunk_tokens=min_chunk_tokens)[pcp_rank]
+        prefill_lens=prefill_lens, min_chunk_tokens=min_chunk_tokens,
+        is_prefilling=is_prefilling, shard_decodes=shard_decodes)[pcp_rank]
 
 
 def build_pcp_metadata_all_ranks(
@@ -267,26 +293,40 @@ def build_pcp_metadata_all_ranks(
     decode_threshold: int = 1,
     prefill_lens: Sequence[int] | None = None,
     min_chunk_tokens: int = 2,
+    is_prefilling: Sequence[bool] | None = None,
+    shard_decodes: bool = False,
+    num_padded_tokens_per_rank: int | None = None,
 ) -> list[PrefillContextParallelMetadata]:
-    """:func:`build_pcp_metadata` for every rank at once (one plan, N views)."""
+    """:func:`build_pcp_metadata` for every rank at once (one plan, N views).
+
+    ``num_padded_tokens_per_rank``: ``P`` when a CUDA graph fixes it (at least the
+    largest local token count); by default that count."""
     computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
     scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
     if computed.shape != scheduled.shape or (scheduled < 0).any() or (computed < 0).any():
         raise ValueError("need one non-negative computed and scheduled count per request")
     token_start = np.cumsum(scheduled) - scheduled
     split = split_requests(scheduled, min_split_tokens, prefill_lens, min_chunk_tokens)
+    owners = decode_owners(split, is_prefilling, pcp_world_size, shard_decodes)
     rows = [
-        _plan_rank_rows(computed, scheduled, token_start, split, pcp_world_size, r,
+        _plan_rank_rows(computed, scheduled, token_start, split,
+                        ~split & ((owners < 0) | (owners == r)), pcp_world_size, r,
                         decode_threshold)
         for r in range(pcp_world_size)
     ]
     local_tokens = [expand_ranges(rw.token_start, rw.q_len) for rw in rows]
     counts = tuple(len(t) for t in local_tokens)
     padded = max(counts) if counts else 0
-    restore, gathered = _gathered_layout(local_tokens, np.repeat(~split, scheduled), padded)
+    if num_padded_tokens_per_rank is not None:
+        if num_padded_tokens_per_rank < padded:
+            raise ValueError(f"{num_padded_tokens_per_rank} padded rows per rank, fewer "
+                             f"than the {padded} tokens of the largest rank")
+        padded = num_padded_tokens_per_rank
+    everywhere = np.repeat(~split & (owners < 0), scheduled)
+    restore, gathered = _gathered_layout(local_tokens, everywhere, padded)
     shared = dict(pcp_world_size=pcp_world_size, num_tokens=int(scheduled.sum()),
                   num_tokens_per_rank=counts, num_padded_tokens_per_rank=padded,
-                  num_split_requests=int(split.sum()),
+                  num_split_requests=int(split.sum()), split=torch.from_numpy(split),
                   restore_indices=torch.from_numpy(restore),
                   gathered_token_indices=torch.from_numpy(gathered))
     return [_rank_view(rank, rw, tokens, decode_threshold, shared)
@@ -309,15 +349,16 @@ def _rank_view(rank: int, rows: _RankRows, local_tokens: np.ndarray, decode_thre
 
 
 def _gathered_layout(
-    local_tokens: list[np.ndarray], replicated: np.ndarray, padded: int
+    local_tokens: list[np.ndarray], everywhere: np.ndarray, padded: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Restore indices ``[T]`` and gathered token indices ``[N * P]``."""
-    num_tokens = len(replicated)
+    """Restore indices ``[T]`` and gathered token indices ``[N * P]``; of a token that
+    every rank computes (``everywhere``, per token) rank 0's copy is kept."""
+    num_tokens = len(everywhere)
     restore = np.full(num_tokens, -1, dtype=np.int64)
     gathered = np.full(len(local_tokens) * padded, -1, dtype=np.int64)
     for rank, tokens in enumerate(local_tokens):
         rows = rank * padded + np.arange(len(tokens), dtype=np.int64)
-        kept = np.ones(len(tokens), dtype=bool) if rank == 0 else ~replicated[tokens]
+        kept = np.ones(len(tokens), dtype=bool) if rank == 0 else ~everywhere[tokens]
         restore[tokens[kept]] = rows[kept]
         gathered[rows[kept]] = tokens[kept]
     return restore, gathered
