@@ -39,7 +39,7 @@ def fake(tmp_path, monkeypatch):
 
 def test_a_job_runs_once_after_its_teacher_and_a_failure_again_in_a_new_session(fake, monkeypatch):
     work, calls = fake
-    base = engines.Job("smollm2", "chunked", "pcp1-v1", "standard,features", teacher="self")
+    base = engines.Job("smollm2", "chunked", "pcp1", "standard,features", teacher="self")
     job = engines.Job("smollm2", "chunked", "pcp2", teacher=base)
     entry = engines.run_engine(job, work)
     assert engines.run_engine(job, work) == entry and len(calls()) == 2
@@ -204,15 +204,27 @@ def test_a_ray_engine_runs_outside_the_mps_daemon_the_others_use(fake, monkeypat
 
 def test_workers_of_one_session_share_one_run_of_a_job(fake):
     work, calls = fake
-    job = engines.Job("smollm2", "chunked", "pcp1-v1")
+    job = engines.Job("smollm2", "chunked", "pcp1")
     with ThreadPoolExecutor(3) as pool:
         got = list(pool.map(lambda _: engines.run_engine(job, work), range(3)))
     assert len(calls()) == 1 and len(got) == 3 and got[0] == got[1] == got[2]
 
 
+def test_an_entry_of_another_vllm_runs_again(fake, monkeypatch):
+    """A work dir kept from a run on another vLLM holds successes its jobs would reuse: the
+    job names the installed vLLM, so those entries run again."""
+    work, calls = fake
+    job = engines.Job("smollm2", "chunked", "pcp2")
+    assert engines.run_engine(job, work)["job"]["vllm"] == engines.installed_vllm()
+    engines.run_engine(job, work)
+    monkeypatch.setattr(engines, "installed_vllm", lambda: "0.0.1")
+    engines.run_engine(job, work)
+    assert len(calls()) == 2
+
+
 def test_a_repeat_is_a_run_of_its_own_and_differences_are_named(fake):
     work, calls = fake
-    job = engines.Job("smollm2", "chunked", "pcp1-v1")
+    job = engines.Job("smollm2", "chunked", "pcp1")
     first, again = (engines.run_engine(j, work) for j in (job, engines.Job(**{
         **job.__dict__, "repeat": 1})))
     assert len(calls()) == 2 and again["results"] == first["results"]
@@ -231,7 +243,7 @@ def test_the_cases_are_the_prompts_the_committed_results_ran():  # compared toke
 
 @pytest.fixture(scope="module")
 def vllm_parse():
-    """``vllm serve``'s engine flags through vLLM 0.26.0's own parser."""
+    """``vllm serve``'s engine flags through the installed vLLM's own parser."""
     from vllm.platforms import current_platform
 
     had = current_platform.device_type
@@ -248,8 +260,9 @@ def vllm_parse():
 def test_serve_flags_say_what_engine_kwargs_say(vllm_parse, name):
     kwargs, args = layouts.engine_kwargs(name), vllm_parse(layouts.serve_flags(name))
     keys = ("prefill_context_parallel_size", "decode_context_parallel_size", "kv_cache_dtype",
-            "tensor_parallel_size", "cp_kv_cache_interleave_size", "enforce_eager")
+            "tensor_parallel_size", "enforce_eager")
     assert {k: getattr(args, k) for k in keys} == {k: kwargs[k] for k in keys}
+    assert args.cp_kv_cache_interleave_size == kwargs.get("cp_kv_cache_interleave_size")
     assert str(args.attention_backend) == kwargs["attention_backend"]
     assert args.additional_config == kwargs.get("additional_config", {})
     assert args.distributed_executor_backend == kwargs.get("distributed_executor_backend")
@@ -257,10 +270,74 @@ def test_serve_flags_say_what_engine_kwargs_say(vllm_parse, name):
         assert args.compilation_config.pass_config.fuse_allreduce_rms is False
 
 
-def test_layouts_that_take_the_ragged_kernel_on_fresh_steps():
-    assert layouts.takes_ragged("pcp2") and layouts.takes_ragged("tp2-pcp2")
-    assert not any(map(layouts.takes_ragged, ("pcp1", "pcp2-paged", "pcp2-fp8",
-                                               "pcp2-dcp2-i8", "tp2-dcp2-i8")))
+def test_the_interleave_is_given_only_with_dcp_where_vllm_resolves_an_omitted_one_to_1():
+    """Without -dcp the layouts leave --cp-kv-cache-interleave-size out; vLLM's
+    ParallelConfig then takes 1, as it would from the flag."""
+    import inspect
+
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert "cp_kv_cache_interleave_size" not in layouts.engine_kwargs("pcp2")
+    assert layouts.engine_kwargs("pcp2-dcp2-i8")["cp_kv_cache_interleave_size"] == 8
+    assert "else ParallelConfig.cp_kv_cache_interleave_size" in inspect.getsource(
+        EngineArgs.create_engine_config)
+    assert ParallelConfig.cp_kv_cache_interleave_size == 1
+
+
+def test_one_gpu_baselines_are_plain_pcp1_on_flashinfer():
+    """Every layout of several GPUs is held to pcp1 (its CUDA graphs, fp8 or preemption pool
+    where it has them), vLLM's FlashInfer with nothing switched: no runner choice, the
+    plugin loaded, which at PCP = 1 changes nothing."""
+    assert {layouts.baseline(n) for n in layouts.LAYOUTS} == {
+        None, "pcp1", "pcp1-graphs", "pcp1-fp8", "pcp1-preempt"}
+    for name in ("pcp1", "pcp1-graphs", "pcp1-fp8", "pcp1-preempt"):
+        lay = layouts.LAYOUTS[name]
+        assert (lay.pcp, lay.tp, lay.dcp, lay.env, lay.knobs) == (1, 1, 1, {}, {}), name
+        assert lay.attention_backend == "FLASHINFER"
+    assert layouts.baseline("pcp2-graphs") == "pcp1-graphs"
+    assert layouts.baseline("pcp4-fp8") == "pcp1-fp8"
+    assert layouts.baseline("pcp2-dcp2-i16-preempt") == "pcp1-preempt"
+    assert layouts.baseline("tp2-dcp2-i8") == "pcp1" and layouts.baseline("pcp1-stock") is None
+
+
+def test_engines_run_model_runner_v2_and_stock_layouts_load_no_vllm_pcp():
+    """No engine inherits a runner choice (one GPU then draws as the -pcp engines do); a
+    stock layout (vLLM's own -tp, DCP inside TP) loads only the test harness's plugin,
+    whose entry point is the name it gives."""
+    base = {"VLLM_USE_V2_MODEL_RUNNER": "0", "X": "1"}
+    assert layouts.engine_env("pcp1", base) == {"X": "1"}
+    assert layouts.engine_env("tp2-dcp2-i1", base) == {
+        "X": "1", "VLLM_PLUGINS": layouts.STOCK_PLUGINS}
+    assert base["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # the caller's own is left alone
+    stock = {n for n, lay in layouts.LAYOUTS.items() if lay.stock}
+    assert stock == {"pcp1-stock", "tp2", "tp2-dcp2-i1", "tp2-dcp2-i8", "tp2-dcp2-i16",
+                     "tp2-dcp2-i8-graphs"}
+    entry = os.path.join(engines.shared_gpu.PLUGIN_DIR, "vllm_pcp_shared_gpu-0.1.dist-info",
+                         "entry_points.txt")
+    assert f"{layouts.STOCK_PLUGINS} = vllm_pcp_shared_gpu:register" in open(entry).read()
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in engines.job_env("pcp1")
+
+
+def test_the_layouts_decode_policy_is_the_plugins():
+    """The decode policy the checks expect of each layout (and model kind) is the one
+    vllm_pcp.knobs resolves; a MoE model shards its decodes from -pcp 4 on."""
+    from vllm_pcp.knobs import PCPKnobs, resolve_decode_policy
+
+    for name, lay in layouts.LAYOUTS.items():
+        for moe in (False, True):
+            knobs = PCPKnobs.from_additional_config(lay.knobs)
+            want = None if lay.pcp == 1 else resolve_decode_policy(knobs, lay.pcp, lay.dcp, moe)
+            assert layouts.decode_policy(name, moe) == want, (name, moe)
+    assert [layouts.decode_policy("pcp4", moe) for moe in (False, True)] == ["replicate", "shard"]
+    assert layouts.decode_policy("pcp2-shard", False) == "shard"
+    assert layouts.decode_policy("pcp2", True) == "replicate"
+
+
+def test_seeded_samples_are_held_to_one_gpu_at_dcp1_on_the_paged_kernel_only():
+    assert layouts.exact_sampling("pcp2-paged")
+    assert not any(map(layouts.exact_sampling, ("pcp1", "pcp2", "pcp2-fp8", "pcp2-shard",
+                                                 "pcp2-dcp2-i8", "tp2-pcp2", "tp2-dcp2-i8")))
 
 
 def test_the_agreement_case_decodes_a_greedy_and_a_seeded_request_together():
@@ -305,7 +382,7 @@ class _StandInLLM:
 
         cache = SimpleNamespace(num_gpu_blocks=4, block_size=16)
         core = SimpleNamespace(shutdown=lambda: self.events.append(("shutdown", self._out())))
-        config = SimpleNamespace(cache_config=cache,
+        config = SimpleNamespace(cache_config=cache, use_v2_model_runner=True,
                                  parallel_config=SimpleNamespace(**self.parallel))
         self.llm_engine = SimpleNamespace(vllm_config=config, engine_core=core)
 
@@ -342,7 +419,9 @@ def test_the_worker_stops_a_ray_engine_after_writing_its_output(monkeypatch, tmp
                                       "--variant", "chunked", "--groups", "none", "--out", str(out)])
     monkeypatch.setattr(os, "environ", dict(os.environ))  # main sets the layout's variables
     worker.main()
-    assert json.loads(out.read_text())["kv_capacity_tokens"] == 64
+    written = json.loads(out.read_text())
+    assert written["kv_capacity_tokens"] == 64 and written["model_runner_v2"] is True
+    assert written["vllm_version"] == vllm.__version__
     assert not os.path.exists(str(out) + ".part")
     shutdowns = [e for e in _StandInLLM.events if e[0] == "shutdown"]
     assert shutdowns == ([("shutdown", True)] if backend == "ray" else [])

@@ -147,19 +147,32 @@ def test_memory_judges_the_split_steps_and_keeps_prompt_logprob_phases_apart():
     assert judge.rank_rows(run)[0]["fits"] is False
 
 
-def test_the_fresh_steps_kernel_is_the_layouts():
-    """The counts of this repository's first run with the ragged kernel: -pcp 2 (30 of 169
-    split steps ragged), pcp2-paged (none), a one-GPU run (no counts)."""
-    ragged = {"step_counts": [{"split_steps": 169, "ragged_steps": 30}] * 2}
-    paged = {"step_counts": [{"split_steps": 169, "ragged_steps": 0}] * 2}
-    assert judge.ragged_steps_as_expected(ragged, True)
-    assert judge.ragged_steps_as_expected(paged, False)
-    assert judge.ragged_steps_as_expected(paged, True) is False
-    assert judge.ragged_steps_as_expected(ragged, False) is False
-    unsplit = {"step_counts": [{"split_steps": 0, "ragged_steps": 0}]}
-    assert judge.ragged_steps_as_expected(unsplit, True)  # nothing split: nothing to take
-    assert judge.ragged_steps_as_expected({"step_counts": None}, True) is None
-    assert judge.ragged_steps_as_expected({"step_counts": [{"split_steps": 3}]}, True) is None
+def _counts(steps=40, split=6, fresh=2, gathered=None, idle=(0, 0)):
+    """Each rank's pcp_step_counts (vllm_pcp.pcp.counts.PCPStepCounts)."""
+    return {"step_counts": [{"steps": steps, "split_steps": split, "fresh_split_steps": fresh,
+                             "gathered_steps": split if gathered is None else gathered,
+                             "steps_without_local_tokens": i} for i in idle]}
+
+
+def test_each_ranks_steps_follow_the_decode_policy():
+    """replicate: only split steps gather and every rank has tokens in every step; shard:
+    every step gathers and a lone decode leaves a rank idle; both: the ranks agree and some
+    step split. No counts (one GPU, a failed run, other fields): nothing to judge."""
+    check = judge.step_counts_as_expected
+    assert check(_counts(), "replicate")
+    assert check(_counts(gathered=40, idle=(0, 12)), "shard")
+    for run, policy in ((_counts(gathered=40), "replicate"),  # a decode-only step gathered
+                        (_counts(idle=(0, 3)), "replicate"),  # a rank left without tokens
+                        (_counts(gathered=40), "shard"),  # no decode was sharded
+                        (_counts(idle=(0, 12)), "shard"),  # decode-only steps ran locally
+                        (_counts(split=0, fresh=0), "replicate"),  # nothing split
+                        (_counts(fresh=7), "replicate")):
+        assert check(run, policy) is False, (run, policy)
+    apart = _counts()
+    apart["step_counts"][1]["split_steps"] = 5
+    assert check(apart, "replicate") is False  # the ranks saw other splits
+    assert check({"step_counts": None}, "replicate") is None
+    assert check({"step_counts": [{"split_steps": 3, "ragged_steps": 1}]}, "replicate") is None
 
 
 def test_agreement_needs_both_requests_decoded_and_every_rank_checking_each_step():
@@ -198,17 +211,16 @@ def test_a_budget_engine_passes_only_with_every_case_run_and_every_rank_within_i
 
 
 def test_a_feature_floor_excuses_as_many_misses_as_it_has_but_never_exact_seeded_sampling():
-    """test_features' tolerance: seeded sampling where the layout rounds otherwise, and as many
-    other misses as the floor has, whichever cases they are; but seeded sampling stays exact
-    where the layout's logits are (the paged kernel on every split row), a floor's sampling
-    miss excuses nothing else, and no engine that failed is excused."""
+    """test_features' tolerance: as many misses as the floor has, whichever cases they are;
+    seeded sampling never missed where the layout is held to one GPU's samples (the paged
+    kernel at DCP = 1), and no engine that failed is excused."""
     import test_exactness as t
 
     allowed = t.feature_misses_allowed
-    assert allowed("pcp2", {"sampled_n4"}, set())
+    assert t.EXACT_RULE_CASES == {"sampled_n4"}
+    assert allowed("pcp2", {"sampled_n4"}, {"burst"})
+    assert not allowed("pcp2", {"sampled_n4"}, set())
     assert allowed("pcp2", {"burst"}, {"prompt_logprobs"})  # another case than the floor's
-    assert allowed("pcp2", {"burst", "sampled_n4"}, {"prompt_logprobs", "sampled_n4"})
-    assert not allowed("pcp2", {"burst"}, {"sampled_n4"})
     assert not allowed("pcp2", {"burst", "json_schema"}, {"prompt_logprobs"})
     assert not allowed("pcp2-paged", {"sampled_n4"}, {"sampled_n4", "prompt_logprobs"})
     assert allowed("pcp2-paged", {"prompt_logprobs"}, {"json_schema"})
@@ -216,6 +228,27 @@ def test_a_feature_floor_excuses_as_many_misses_as_it_has_but_never_exact_seeded
     assert not allowed("pcp2", {"json_schema"}, {"engine"})
     assert ("smollm2", "chunked", t.FEATURE_FLOOR) in t.JOBS
     assert "features" in t.JOBS[("smollm2", "chunked", t.FLOORS[t.FEATURE_FLOOR])]
+
+
+def test_seeded_samples_are_exact_at_the_paged_kernel_and_else_held_to_the_top5_rule():
+    """Four seeded choices with one diverging at token 1: a near tie (each token in the
+    other's top-5) misses only where the layout is held to one GPU's samples; a token
+    outside the other's top-5 misses everywhere."""
+    import test_exactness as t
+
+    four = [_out([5, 6])] * 4
+    near = [_out([5, 6])] * 3 + [_out([5, 99])]
+    far = [_out([5, 6])] * 3 + [{"token_ids": [5, 7], "logprobs": [{"5": -0.1}, {"7": -0.1}]}]
+
+    def misses(outputs, exact):
+        res = {"case": "sampled_n4", "kind": "sampled", "rule": "exact", "prompt_lens": [7]}
+        ours, base = ({**res, "outputs": x} for x in (outputs, four))
+        cases = judge.compare_features("m", "l", _run("feature_results", [ours]),
+                                       _run("feature_results", [base]))[0]
+        return t.feature_misses(cases, exact)
+
+    assert misses(near, exact=True) == {"sampled_n4"} and misses(near, exact=False) == set()
+    assert misses(far, exact=False) == {"sampled_n4"} and misses(four, exact=True) == set()
 
 
 def test_every_teacher_judged_model_has_its_one_gpu_floors_as_jobs():
@@ -255,16 +288,19 @@ def test_greedy_misses_are_held_to_the_floor_that_misses_the_most_and_an_engine_
     more, never with an engine that failed, and a floor whose engine failed excuses none."""
     key = ("qwen2.5-3b-shape-full", "chunked", "tp4-pcp2-dcp2-i8")
     one = _greedy(["prefix_hit"])
-    assert _judge_greedy(key, _greedy(), {}) == ["tp4-pcp2-dcp2-i8", "pcp1-v1"]
+    assert _judge_greedy(key, _greedy(), {}) == ["tp4-pcp2-dcp2-i8", "pcp1"]
+    assert _judge_greedy(key, {**_greedy(), **_counts()}, {})  # steps as -dcp's policy says
     ran = _judge_greedy(key, one, {"pcp1-graphs": _greedy(["len_4097"])})
-    assert set(ran) == {"tp4-pcp2-dcp2-i8", "pcp1-v1", "pcp1-graphs", "pcp1-flash-attn", "pcp1"}
+    assert set(ran) == {"tp4-pcp2-dcp2-i8", "pcp1", "pcp1-graphs", "pcp1-flash-attn"}
     moe = ("qwen3-moe-8e", "chunked", "pcp2")  # held to vLLM's own expert sharding
     assert "tp2" in _judge_greedy(moe, one, {"tp2": _greedy(["len_4097"])})
     for layout_run, floors in (
             (_greedy(["prefix_hit", "len_7"]), {"pcp1-graphs": _greedy(["len_4097"])}),
             (one, {}),
             (_greedy(returncode=1), {"pcp1-graphs": _greedy(["len_4097"])}),
-            (one, {"pcp1-graphs": _greedy(returncode=1)})):
+            (one, {"pcp1-graphs": _greedy(returncode=1)}),
+            ({**_greedy(), **_counts(gathered=40)}, {}),  # decode-only steps gathered
+            ({**_greedy(), "model_runner_v2": False}, {})):
         with pytest.raises(AssertionError):
             _judge_greedy(key, layout_run, floors)
 

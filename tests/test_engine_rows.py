@@ -25,8 +25,22 @@ def _committed_rows() -> list[dict]:
     return rows.committed_rows(RESULTS)
 
 
+def _goals_of(teacher_file: dict) -> dict[str, float]:
+    """The teacher-forced goals a committed file was judged by: each model's factors, and
+    the layouts it names as not measured."""
+    summary = teacher_file["summary"]
+    goals = dict.fromkeys(summary["not_measured"], 1.0)
+    for model in summary["models"].values():
+        goals.update(model["goal"]["factors"])
+    return goals
+
+
 @pytest.mark.parametrize("name", FILES)
-def test_rows_assemble_into_the_committed_summaries_and_tables(name):
+def test_rows_assemble_into_the_committed_summaries_and_tables(name, monkeypatch):
+    """Cut into rows and assembled again, each committed file gives its own summary and
+    tables (under the teacher-forced goals it was judged by)."""
+    if name == "exactness-teacher.json":
+        monkeypatch.setattr(rows.judge, "TEACHER_GOALS", _goals_of(_load(name)))
     assembled, committed = rows.assemble(_committed_rows())[name][1], _load(name)
     assert set(assembled) == set(committed) - {"meta", "kv_capacity"}
     assert assembled["summary"] == committed["summary"]
@@ -46,9 +60,9 @@ def test_rows_keep_the_revisions_of_the_committed_runs(name):
 
 def test_an_engine_under_two_revisions_keeps_both(tmp_path):
     doc = {"meta": {"git_rev": "ccc", "runs_by_git_rev": {
-        "aaa": ["m:chunked:pcp1-v1", "m:chunked:pcp2"], "bbb": ["m:chunked:pcp1-v1",
+        "aaa": ["m:chunked:pcp1", "m:chunked:pcp2"], "bbb": ["m:chunked:pcp1",
                                                                  "m:chunked:pcp4"]}},
-        "cases": [{"model": "m", "config": f"{c} vs pcp1-v1, chunked", "passed": True}
+        "cases": [{"model": "m", "config": f"{c} vs pcp1, chunked", "passed": True}
                   for c in ("pcp2", "pcp4")]}
     (tmp_path / "exactness-pcp.json").write_text(json.dumps(doc))
     cut = rows.committed_rows(str(tmp_path))
@@ -72,38 +86,73 @@ def test_written_files_carry_meta_and_only_from_a_session_that_recorded(tmp_path
 
 
 def test_a_session_replaces_its_engines_rows_and_keeps_the_others(tmp_path):
-    """A slice run into a folder of committed files: its engines' cases replace theirs, every
-    other engine's stay, and a file it holds no row of is left as it was."""
+    """A slice run into a folder of committed files of the same vLLM: its engines' cases
+    replace theirs, every other engine's stay, and a file it holds no row of is left as
+    it was."""
     results_dir, key = tmp_path / "results", ["qwen2.5-3b-shape", "chunked", "pcp2"]
     results_dir.mkdir()
     for name in FILES:
         (results_dir / name).write_text(json.dumps(_load(name)))
-    old = [c for c in _load("exactness-pcp.json")["cases"]
-           if c["config"] == "pcp2 vs pcp1-v1, chunked" and c["model"] == key[0]]
+    committed = _load("exactness-pcp.json")
+    label = next(c["config"] for c in committed["cases"]
+                 if c["config"].startswith("pcp2 vs ") and c["model"] == key[0])
+    base = label.split(" vs ")[1].split(",")[0]  # the baseline the committed run had
+    old = [c for c in committed["cases"] if c["config"] == label and c["model"] == key[0]]
     case = {**old[0], "passed": False, "first_divergence": 3}
     row = {"kind": "greedy", "key": key, "session": "new", "command": "pytest slice", "dcp": 1,
            "cases": [case], "not_compared": [], "runs": [
                {"model": key[0], "variant": "chunked", "config": c, "git_rev": "ccc",
-                "shared_gpus": "1"} for c in ("pcp2", "pcp1-v1")]}
+                "shared_gpus": "1"} for c in ("pcp2", base)]}
     (tmp_path / "rows").mkdir()
     (tmp_path / "rows" / "r.json").write_text(json.dumps(row))
-    paths = rows.write_results(str(tmp_path), str(results_dir), "new", host={"gpu": "g"})
+    paths = rows.write_results(str(tmp_path), str(results_dir), "new",
+                               host={"gpu": "g", "vllm": committed["meta"]["vllm"]})
     assert [os.path.basename(p) for p in paths] == ["exactness-pcp.json"]
-    merged, committed = _load("exactness-pcp.json", results_dir), _load("exactness-pcp.json")
+    merged = _load("exactness-pcp.json", results_dir)
     assert [c for c in merged["cases"] if c["config"] == case["config"]
             and c["model"] == key[0]] == [case]
     assert len(merged["cases"]) == len(committed["cases"]) - len(old) + 1
     assert merged["summary"]["passed"] == (committed["summary"]["passed"]
                                            - sum(c["passed"] for c in old))
-    assert merged["meta"]["runs_by_git_rev"]["ccc"] == [f"{key[0]}:chunked:pcp1-v1",
-                                                        f"{key[0]}:chunked:pcp2"]
+    assert merged["meta"]["runs_by_git_rev"]["ccc"] == sorted(
+        f"{key[0]}:chunked:{c}" for c in ("pcp2", base))
     assert "pytest slice" in merged["meta"]["commands"] and merged["meta"]["gpu"] == "g"
     assert _load("memory.json", results_dir) == _load("memory.json")
 
 
+def test_files_of_another_vllm_are_replaced_whole_and_meta_names_the_installed_one(tmp_path):
+    """A session on this host's vLLM keeps no row of a committed file that ran on another
+    (its meta's ``vllm``): the file it writes holds this session's engines alone, its meta
+    the vLLM read at run time (``vllm.__version__``) and the GPU the ranks shared."""
+    import vllm
+
+    results_dir, key = tmp_path / "results", ["qwen2.5-3b-shape", "chunked", "pcp2"]
+    results_dir.mkdir()
+    committed = _load("exactness-pcp.json")
+    assert committed["meta"]["vllm"] != vllm.__version__
+    (results_dir / "exactness-pcp.json").write_text(json.dumps(committed))
+    case = {"model": key[0], "config": "pcp2 vs pcp1, chunked", "case": "len_7",
+            "prompt_lens": [7], "first_divergence": None, "max_abs_logprob_diff": 0.0,
+            "passed": True}
+    row = {"kind": "greedy", "key": key, "session": "new", "command": "c", "dcp": 1,
+           "cases": [case], "not_compared": [], "runs": [
+               {"model": key[0], "variant": "chunked", "config": c, "git_rev": "ccc",
+                "shared_gpus": shared, "mps": bool(shared)}
+               for c, shared in (("pcp2", "1"), ("pcp1", None))]}
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "r.json").write_text(json.dumps(row))
+    rows.write_results(str(tmp_path), str(results_dir), "new")
+    written = _load("exactness-pcp.json", results_dir)
+    assert written["cases"] == [case] and written["meta"]["vllm"] == vllm.__version__
+    assert written["meta"]["ranks_shared_gpus"]["gpus"] == 1
+    assert written["meta"]["ranks_shared_gpus"]["configs"] == ["pcp2"]
+    kept = rows.committed_rows(str(results_dir), committed["meta"]["vllm"])
+    assert kept == [] and rows.committed_rows(str(results_dir), vllm.__version__)
+
+
 def test_repeated_engines_make_a_file_that_cuts_back_into_their_rows(tmp_path):
     (tmp_path / "rows").mkdir()
-    judged = {"pcp1-v1": (21, []), "pcp2": (21, ["results:mixed_batch"])}
+    judged = {"pcp1": (21, []), "pcp2": (21, ["results:mixed_batch"])}
     for config, (compared, differ) in judged.items():
         row = {"kind": "repeat", "key": ["m", "chunked", config], "session": "s", "command": "c",
                "compared": compared, "differ": differ, "runs": [
@@ -143,8 +192,8 @@ def test_feature_floor_rows_make_a_file_that_cuts_back_into_them(tmp_path):
                 "max_abs_logprob_diff": 0.1, "passed": passed, "kind": name}
     floor = [case("pcp1-flash-attn vs pcp1", n, n != "prompt_logprobs")
              for n in ("prompt_logprobs", "burst")]
-    made = {"features": (["smollm2", "chunked", "pcp2"], "pcp1-v1", dict(cases=[
-                case("pcp2 vs pcp1-v1", "prompt_logprobs", False)])),
+    made = {"features": (["smollm2", "chunked", "pcp2"], "pcp1", dict(cases=[
+                case("pcp2 vs pcp1", "prompt_logprobs", False)])),
             "floor": (["smollm2", "chunked", "pcp1-flash-attn"], "pcp1", dict(
                 cases=[], teacher=None, features=floor))}
     for kind, (key, base, judged) in made.items():
@@ -167,11 +216,11 @@ def test_vllms_own_tp2_feature_cases_land_beside_the_floor_not_among_the_compari
     plugin's comparisons, and cut back into the same ``features`` row."""
     (tmp_path / "rows").mkdir()
     for config, passed in (("pcp2", True), ("tp2", False)):
-        cases = [{"model": "qwen3-moe-8e", "config": f"{config} vs pcp1-v1, chunked",
+        cases = [{"model": "qwen3-moe-8e", "config": f"{config} vs pcp1, chunked",
                   "case": "burst", "prompt_lens": [5], "first_divergence": None if passed else 2,
                   "max_abs_logprob_diff": 0.1, "passed": passed, "kind": "burst"}]
         runs = [{"model": "qwen3-moe-8e", "variant": "chunked", "config": c, "git_rev": "aaa"}
-                for c in (config, "pcp1-v1")]
+                for c in (config, "pcp1")]
         row = {"kind": "features", "key": ["qwen3-moe-8e", "chunked", config], "session": "s",
                "command": "c", "runs": runs, "cases": cases}
         (tmp_path / "rows" / f"{config}.json").write_text(json.dumps(row))
@@ -179,7 +228,7 @@ def test_vllms_own_tp2_feature_cases_land_beside_the_floor_not_among_the_compari
     doc = _load("exactness-features.json", tmp_path / "out")
     assert (doc["summary"]["cases"], doc["summary"]["passed"]) == (1, 1)
     assert doc["summary"]["noise_floor"]["cases"] == 1
-    assert [c["config"] for c in doc["noise_floor_cases"]] == ["tp2 vs pcp1-v1, chunked"]
+    assert [c["config"] for c in doc["noise_floor_cases"]] == ["tp2 vs pcp1, chunked"]
     cut = {tuple(r["key"]): r for r in rows.committed_rows(str(tmp_path / "out"))}
     assert cut[("qwen3-moe-8e", "chunked", "tp2")]["kind"] == "features"
     assert [c["passed"] for c in cut[("qwen3-moe-8e", "chunked", "tp2")]["cases"]] == [False]

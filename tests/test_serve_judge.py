@@ -179,11 +179,15 @@ def test_vllm_gives_the_nvml_calls_the_soak_reads():
 
 
 def test_vllms_completion_request_takes_the_soaks_greedy_fields():
-    """The soak's greedy set asks for top-5 logprobs as token ids under a cache salt."""
+    """The soak's greedy set asks for top-5 logprobs as token ids under a cache salt, each
+    salt it uses one vLLM keys the prefix cache by."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.exceptions import VLLMClientError
 
-    req = CompletionRequest(model="m", prompt="p", max_tokens=4, temperature=0.0, logprobs=5,
-                            return_tokens_as_token_ids=True, cache_salt="before-load")
-    assert (req.logprobs, req.return_tokens_as_token_ids, req.cache_salt) == (5, True, "before-load")
-    with pytest.raises(ValueError):  # a salt vLLM would not key the prefix cache by
-        CompletionRequest(model="m", prompt="p", cache_salt="")
+    for salt in ("soak", "before-load", "after-load"):
+        req = CompletionRequest(model="m", prompt="p", max_tokens=4, temperature=0.0,
+                                logprobs=5, return_tokens_as_token_ids=True, cache_salt=salt)
+        assert (req.logprobs, req.return_tokens_as_token_ids, req.cache_salt) == (5, True, salt)
+    for bad in ("", "a/b"):  # salts vLLM refuses (a 4xx)
+        with pytest.raises(VLLMClientError, match="cache_salt"):
+            CompletionRequest(model="m", prompt="p", cache_salt=bad)

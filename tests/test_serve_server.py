@@ -58,3 +58,29 @@ def _titled(worker) -> bool:
     with contextlib.suppress(OSError):
         return "VLLM::" in Path(f"/proc/{worker[1]}/cmdline").read_text()
     return False
+
+
+def test_the_servers_flags_parse_under_vllm_serves_own_parser():
+    """Each flag set test_serve.py starts ``vllm serve`` with, after every layout's flags,
+    is taken by the installed vLLM's serve parser (an unknown flag exits it)."""
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import test_serve
+    from layouts import LAYOUTS, serve_flags
+
+    had = current_platform.device_type
+    current_platform.device_type = had or "cuda"  # DeviceConfig("auto") needs one
+    try:
+        parser = make_arg_parser(FlexibleArgumentParser())
+        for flags in (test_serve.CHAT_FLAGS, test_serve.FAULT_FLAGS, test_serve.SOAK_FLAGS,
+                      test_serve.GSM8K_FLAGS):
+            for name in LAYOUTS:
+                args = parser.parse_args(["m", "--port", "1", *serve_flags(name), *flags])
+                assert args.prefill_context_parallel_size == LAYOUTS[name].pcp
+            assert args.enable_flashinfer_autotune is False  # its tuning runs at each start
+        with pytest.raises(SystemExit):
+            parser.parse_args(["m", "--no-such-flag"])
+    finally:
+        current_platform.device_type = had

@@ -1,6 +1,6 @@
 """The test harness that lets an engine's ranks share fewer GPUs (tests/engine/shared_gpu.py
-and its test-only plugin): when it engages, what it sets, and every vLLM 0.26.0 symbol it
-relies on, so that an upgrade that moves one fails here rather than on a GPU host."""
+and its test-only plugin): when it engages, what it sets, and every symbol of the installed
+vLLM it relies on, so that an upgrade that moves one fails here rather than on a GPU host."""
 import inspect
 import json
 import os
@@ -78,8 +78,9 @@ def _wrapped(monkeypatch, gpus: int, mode: str = "auto"):
     monkeypatch.setattr(current_platform, "device_count", lambda: gpus)
     monkeypatch.setenv(plugin.MODE_VAR, mode)
     for var in (plugin.ENGAGED_VAR, "NCCL_SOCKET_IFNAME", "VLLM_WORKER_MULTIPROC_METHOD",
-                current_platform.device_control_env_var):
-        monkeypatch.delenv(var, raising=False)
+                current_platform.device_control_env_var, *plugin.TP_ALLREDUCE_OFF):
+        monkeypatch.setenv(var, "")  # what the wrappers set is undone after the test
+        monkeypatch.delenv(var)
     plugin._wrap_engine_args()
 
 
@@ -91,6 +92,18 @@ def test_engaged_the_ranks_share_one_gpu_over_the_mp_executor(tmp_path, monkeypa
     assert os.environ[plugin.ENGAGED_VAR] == "1"
     assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert {k: os.environ[k] for k in plugin.TP_ALLREDUCE_OFF} == {
+        "VLLM_ALLREDUCE_USE_FLASHINFER": "0", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+
+
+def test_without_tp_vllms_tp_all_reduces_are_left_as_they_are(tmp_path, monkeypatch):
+    """Only a TP group all-reduces with FlashInfer or symmetric memory: an engine without
+    -tp sharing a GPU keeps vLLM's defaults."""
+    _wrapped(monkeypatch, gpus=1)
+    args = _engine_args(tmp_path, prefill_context_parallel_size=4,
+                        kv_cache_memory_bytes=1 << 30)
+    assert args.create_engine_config() == ("mp", True, [0, 0, 0, 0])
+    assert not set(plugin.TP_ALLREDUCE_OFF) & set(os.environ)
 
 
 def test_with_a_gpu_per_rank_nothing_changes(tmp_path, monkeypatch):
@@ -156,7 +169,7 @@ def test_a_check_can_let_pcp_take_a_kv_cache_dtype_the_plugin_refuses(monkeypatc
         config.prepare_pcp_config(_config(cache_dtype="fp8_e5m2", **DCP2))
 
 
-# --- what the harness relies on in vLLM 0.26.0 -------------------------------------------
+# --- what the harness relies on in the installed vLLM -----------------------------------
 
 def test_vllm_builds_the_parallel_config_from_the_fields_the_harness_sets():
     from vllm.engine.arg_utils import EngineArgs
@@ -203,9 +216,16 @@ def test_vllm_loads_general_plugins_before_it_builds_a_config_and_in_every_worke
 
 def test_vllm_reads_the_variables_the_harness_sets():
     import vllm.envs as envs
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
-    assert "VLLM_WORKER_MULTIPROC_METHOD" in envs.environment_variables
-    assert "VLLM_USE_V2_MODEL_RUNNER" in envs.environment_variables
+    for var in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_PLUGINS", *plugin.TP_ALLREDUCE_OFF):
+        assert var in envs.environment_variables, var
+    # the TP group's all-reduce backends, read as each rank builds it (after the harness
+    # set them); other groups never take them
+    source = inspect.getsource(CudaCommunicator.__init__)
+    assert 'if unique_name.split(":")[0] != "tp":' in source
+    assert "use_torch_symm_mem = envs.VLLM_ALLREDUCE_USE_SYMM_MEM" in source
+    assert "envs.VLLM_ALLREDUCE_USE_FLASHINFER and" in source
     from vllm.v1.executor import ray_utils
 
     # Ray: one GPU per rank in vLLM's placement group, hence a head declaring `world` GPUs
@@ -273,5 +293,5 @@ def test_the_dead_rank_check_runs_its_engine_outside_mps(monkeypatch, tmp_path):
     monkeypatch.setattr(test_serve.serve, "cached", lambda request, name, compute: compute())
     monkeypatch.setattr(test_serve.serve, "write_result", lambda *a, **k: None)
     test_serve.test_bad_requests_and_dead_rank(None, "pcp2-split-all")
-    assert seen["pcp1-v1"] is None and shared_gpu.mps_serves()
+    assert seen["pcp1"] is None and shared_gpu.mps_serves()
     assert not shared_gpu.mps_serves({**os.environ, **seen["pcp2-split-all"]})

@@ -50,9 +50,21 @@ class Job:
         return f"{self.model}-{self.variant}-{self.layout}-t{self.max_tokens}{again}"
 
     def spec(self) -> dict:
+        """What a raw entry must have run to stand for this job: its groups, teacher,
+        refusal and the installed vLLM (an entry of another vLLM runs again)."""
         teacher = self.teacher.name if isinstance(self.teacher, Job) else self.teacher
         return {"groups": self.groups, "max_tokens": self.max_tokens, "teacher": teacher,
-                "refusal": self.refusal}
+                "refusal": self.refusal, "vllm": installed_vllm()}
+
+
+def installed_vllm() -> str:
+    """The vLLM version installed here (its package metadata: no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return "none"
 
 
 def model_dir(name: str, work_dir: str) -> str:
@@ -156,6 +168,16 @@ def _start(cmd: list[str], env: dict, log: str, out: str,
     return returncode, stopped
 
 
+def job_env(layout: str) -> dict:
+    """The environment of an engine of ``layout``: this one's, the shared-GPU harness, the
+    layout's (:func:`layouts.engine_env`: Model Runner V2), every PCP rank comparing its
+    sampled tokens; a Ray engine outside any MPS daemon (under one Ray lost its head)."""
+    env = layouts.engine_env(layout, {**os.environ, "PYTHONUNBUFFERED": "1",
+                                      "HF_HUB_OFFLINE": "1", **shared_gpu.env()})
+    env["VLLM_PCP_CHECK_SAMPLED_TOKENS"] = "1"
+    return {**env, **(shared_gpu.without_mps() if layouts.LAYOUTS[layout].ray else {})}
+
+
 def _run(job: Job, work_dir: str, path: str) -> dict:
     """The worker's run, every process of its session killed on an interrupt, a timeout
     (a refusal's, or for any other run ``VLLM_PCP_ENGINE_TIMEOUT_S`` where set: a hung engine
@@ -173,10 +195,7 @@ def _run(job: Job, work_dir: str, path: str) -> dict:
     if job.teacher:
         cmd += ["--teacher", job.teacher if isinstance(job.teacher, str)
                 else os.path.join(os.path.dirname(path), job.teacher.name + ".json")]
-    lay = layouts.LAYOUTS[job.layout]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           **shared_gpu.env(), **lay.env, "VLLM_PCP_CHECK_SAMPLED_TOKENS": "1",
-           **(shared_gpu.without_mps() if lay.ray else {})}  # under MPS Ray lost its head
+    env = job_env(job.layout)
     start = time.perf_counter()
     timeout = REFUSAL_TIMEOUT_S if job.refusal else float(os.environ.get(TIMEOUT_VAR) or 0) or None
     returncode, stopped = _start(cmd, env, log, out, timeout)

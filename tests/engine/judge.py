@@ -126,7 +126,8 @@ PROMPT_LOGPROB_LIMIT = 1.0  # a prompt position further from one GPU's fails
 
 def compare_features(model: str, label: str, run: dict, base: dict) -> tuple[list, list]:
     """:func:`compare_run` of the feature results, then each kind's rule: ``exact``: no
-    divergence; prompt logprobs within the limit; preemption happened; JSON valid if on one GPU."""
+    divergence (``top5_passed``: the top-5 rule alone); prompt logprobs within the limit;
+    preemption happened; JSON valid if on one GPU."""
     def json_valid(text) -> bool:
         try:
             value = json.loads(text)
@@ -144,7 +145,7 @@ def compare_features(model: str, label: str, run: dict, base: dict) -> tuple[lis
         passed = case["passed"] and len(outs) == len(base_outs)
         case["kind"] = kind
         if result.get("rule") == "exact":
-            case.update(rule="exact", choices=result.get("choices"))
+            case.update(rule="exact", choices=result.get("choices"), top5_passed=bool(passed))
             passed = passed and case["first_divergence"] is None
         if kind == "prompt_logprobs":
             pairs = [(a["prompt_logprobs"], b["prompt_logprobs"]) for a, b in zip(outs, base_outs)]
@@ -258,15 +259,17 @@ TEACHER_FLOORS = {"pcp1-graphs": "pcp1", "pcp1-flash-attn": "pcp1", "tp2": "pcp1
 GOAL_FLOORS = ("pcp1-graphs", "pcp1-flash-attn")
 EXPERT_SHARDING_FLOOR = "tp2"  # vLLM shards MoE experts over PCP ranks as over TP ranks
 # at most this many times the larger floor, at max and at p99 (-dcp's merge rounds once more)
-TEACHER_GOALS = {**dict.fromkeys(("pcp2", "pcp2-graphs", "pcp4", "pcp8", "tp2-pcp2"), 1.0),
+TEACHER_GOALS = {**dict.fromkeys(("pcp2", "pcp2-graphs", "pcp2-paged", "pcp2-shard",
+                                   "pcp2-ray", "pcp4", "pcp8", "tp2-pcp2"), 1.0),
                  **dict.fromkeys(("pcp2-dcp2-i1", "pcp2-dcp2-i8", "pcp2-dcp2-i16",
-                                  "pcp2-dcp2-i8-graphs", "pcp4-dcp4-i1", "pcp4-dcp4-i8",
-                                  "tp2-dcp2-i1", "tp2-dcp2-i8", "tp2-pcp2-dcp2-i1",
-                                  "tp4-pcp2-dcp2-i8"), 1.5)}
-TEACHER_MEASURE = ("teacher-forced: the pcp1-v1 greedy output of each prompt (chunked, eager) "
-                   "appended to it and scored with prompt_logprobs=0; per case, over the "
-                   "continuation positions of its prompts, |logprob of the given token - the "
-                   "baseline's|: max, p99 (linear interpolation), positions over 1.0")
+                                  "pcp2-dcp2-i8-graphs", "pcp2-dcp2-i1-ray", "pcp4-dcp4-i1",
+                                  "pcp4-dcp4-i8", "tp2-dcp2-i1", "tp2-dcp2-i8",
+                                  "tp2-pcp2-dcp2-i1", "tp4-pcp2-dcp2-i8"), 1.5)}
+TEACHER_MEASURE = ("teacher-forced: the pcp1 greedy output of each prompt (one GPU, vLLM's "
+                   "FlashInfer on Model Runner V2, chunked, eager) appended to it and scored "
+                   "with prompt_logprobs=0; per case, over the continuation positions of its "
+                   "prompts, |logprob of the given token - the baseline's|: max, p99 (linear "
+                   "interpolation), positions over 1.0")
 
 
 def diff_stats(diffs: np.ndarray) -> dict:
@@ -325,15 +328,31 @@ def teacher_goal(pooled: dict[str, dict | None], measured: dict[str, dict | None
 GIB = 1 << 30
 
 
-def ragged_steps_as_expected(run: dict, takes_ragged: bool) -> bool | None:
-    """Whether every rank's fresh split steps took the kernel its layout takes: the ragged
-    one on some step wherever ``takes_ragged`` and the rank had split steps, never
-    otherwise (``step_counts``, :class:`vllm_pcp.pcp.counts.PCPStepCounts`). None where the
-    run recorded no counts (one GPU; runs from before the counter)."""
-    counts = [(c["split_steps"], c.get("ragged_steps")) for c in run.get("step_counts") or []]
-    if not counts or any(ragged is None for _, ragged in counts):
+# vllm_pcp.pcp.counts.PCPStepCounts: a rank's steps, as pcp_step_counts returns them
+STEP_COUNT_FIELDS = ("steps", "split_steps", "fresh_split_steps", "gathered_steps",
+                     "steps_without_local_tokens")
+
+
+def step_counts_as_expected(run: dict, decode_policy: str) -> bool | None:
+    """Whether every rank's steps (``step_counts``) ran as the layout's ``decode_policy``
+    says: the ranks saw the same steps and splits; some step split (the checks split
+    every long prompt); each split step gathered its K/V. ``replicate``: no other step
+    gathered, and every rank had tokens in every step. ``shard``: every step gathered,
+    and some rank had a step without tokens (a decode alone owns one rank). None where
+    the run recorded no counts of these fields (one GPU, a failed run)."""
+    counts = run.get("step_counts") or []
+    if not counts or any(set(STEP_COUNT_FIELDS) - set(c) for c in counts):
         return None
-    return all(bool(ragged) == (takes_ragged and bool(split)) for split, ragged in counts)
+    same = {tuple(c[f] for f in STEP_COUNT_FIELDS[:4]) for c in counts}
+    if len(same) != 1:
+        return False
+    steps, split, fresh, gathered = same.pop()
+    if not 0 <= fresh <= split <= gathered <= steps or not split:
+        return False
+    idle = [c["steps_without_local_tokens"] for c in counts]
+    if decode_policy == "shard":
+        return gathered == steps and any(idle)
+    return gathered == split and not any(idle)
 
 
 def rank_rows(run: dict) -> list[dict]:

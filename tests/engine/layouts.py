@@ -6,9 +6,10 @@ the plugin's knobs (``--additional-config``) and a few engine switches. Two form
 - :func:`serve_flags`: ``vllm serve`` / ``vllm bench latency`` / ``vllm bench serve`` flags;
 - :func:`engine_kwargs`: ``vllm.LLM(...)`` keyword arguments.
 
-``pcp1-stock`` is vLLM without the plugin (``VLLM_PLUGINS=none``). Every other layout
-loads it; at PCP = 1 it changes nothing. :func:`baseline` names the one-GPU layout a
-layout is held to.
+Every engine runs vLLM's Model Runner V2 (:func:`engine_env`). ``pcp1`` is one GPU on
+FlashInfer with the plugin loaded, which at PCP = 1 leaves vLLM's FlashInfer as it is: the
+baseline of every check (:func:`baseline`). A ``stock`` layout runs vLLM without the
+plugin (``pcp1-stock``; vLLM's own ``-tp`` and its own DCP inside TP).
 """
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from dataclasses import dataclass, field
 # on hosts with NVLink multicast off: engines at TP > 1 with CUDA graphs run without it
 NO_ALLREDUCE_FUSION = {"pass_config": {"fuse_allreduce_rms": False}}
 CONTEXT_EXCHANGES = ("auto", "queries", "keys")  # vllm_pcp.knobs.CONTEXT_EXCHANGES
-# vLLM 0.26.0 runs its Model Runner V2 at PCP = 1 and the plugin the V1 runner at PCP > 1;
-# the two draw a seeded request's random numbers differently
-V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+# the plugins a stock engine loads (VLLM_PLUGINS): the test harness's own, never vllm-pcp;
+# where the harness is not on the path (the benchmarks) none
+STOCK_PLUGINS = "vllm_pcp_shared_gpu"
+# the variable that would pick vLLM's runner; left unset, vLLM runs Model Runner V2
+RUNNER_VAR = "VLLM_USE_V2_MODEL_RUNNER"
 # the preemption case's scheduler pool, in tokens (a DCP rank holds 1/DCP of it), and the
 # max_model_len under it (vLLM refuses a pool smaller than one request of max_model_len)
 PREEMPT_POOL_TOKENS = 12288
@@ -49,16 +52,17 @@ class Layout:
     gpu_memory_utilization: float = 0.0
 
     @property
-    def v1_runner(self) -> bool:
-        return self.env.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+    def stock(self) -> bool:
+        """vLLM without vllm-pcp (only :data:`STOCK_PLUGINS` load)."""
+        return self.env.get("VLLM_PLUGINS") == STOCK_PLUGINS
 
 
 def _dcp(i: int, **kw) -> Layout:
     return Layout(pcp=2, dcp=2, interleave=i, **kw)
 
 
-def _v1(**kw) -> Layout:
-    return Layout(env=dict(V1_RUNNER_ENV), **kw)
+def _stock(**kw) -> Layout:
+    return Layout(env={"VLLM_PLUGINS": STOCK_PLUGINS}, **kw)
 
 
 def _preempt(lay: Layout) -> Layout:
@@ -71,19 +75,18 @@ def _fp8(lay: Layout) -> Layout:
 
 
 LAYOUTS: dict[str, Layout] = {
-    # one GPU: stock vLLM, then the plugin loaded
-    "pcp1-stock": Layout(env={"VLLM_PLUGINS": "none"}),
+    # one GPU: stock vLLM, then the plugin loaded (the checks' baseline)
+    "pcp1-stock": _stock(),
     "pcp1": Layout(),
     "pcp1-graphs": Layout(cuda_graphs=True),
-    # one GPU on the V1 runner the plugin subclasses: the checks' baseline
-    "pcp1-v1": _v1(),
-    "pcp1-v1-graphs": _v1(cuda_graphs=True),
     # the one-GPU noise floor: another attention kernel (FlashAttention) against FlashInfer
     "pcp1-flash-attn": Layout(attention_backend="FLASH_ATTN"),
     "pcp2": Layout(pcp=2),
     # every split row on the paged kernel: one GPU's FlashInfer prefill, bit for bit
     "pcp2-paged": Layout(pcp=2, knobs={"pcp_split_attention": "paged"}),
     "pcp2-graphs": Layout(pcp=2, cuda_graphs=True),
+    # each decode on one rank, its K/V and hidden states all-gathered every step
+    "pcp2-shard": Layout(pcp=2, knobs={"pcp_decode_policy": "shard"}),
     "pcp2-ray": Layout(pcp=2, ray=True),
     "pcp2-dcp2-i1-ray": _dcp(1, ray=True),
     "pcp2-min8k": Layout(pcp=2, knobs={"pcp_min_split_tokens": 8192}),
@@ -91,21 +94,23 @@ LAYOUTS: dict[str, Layout] = {
     "pcp2-split-all": Layout(pcp=2, knobs={"pcp_min_split_tokens": 2}),
     "pcp2-dcp2-split-all": _dcp(1, knobs={"pcp_min_split_tokens": 2}),
     "tp2-pcp2-split-all": Layout(tp=2, pcp=2, knobs={"pcp_min_split_tokens": 2}),
-    "tp2": Layout(tp=2),
+    "tp2": _stock(tp=2),  # vLLM's own -tp 2: a MoE model's experts sharded as -pcp 2 does
     "pcp2-dcp2": _dcp(1),
     **{f"pcp2-dcp2-{way}": _dcp(1, knobs={"pcp_dcp_context_exchange": way})
        for way in ("queries", "keys")},
     **{f"pcp2-dcp2-i{i}": _dcp(i) for i in (1, 8, 16)},
-    # full CUDA graphs of the decode steps (FULL_DECODE_ONLY), torch.compile on
+    # CUDA graphs and torch.compile (the plugin plans -dcp's attention outside the graphs)
     "pcp2-dcp2-i8-graphs": _dcp(8, cuda_graphs=True),
     # each way a split chunk reaches its context, forced (the default picks per step)
     **{f"pcp2-dcp2-i{i}-{way}": _dcp(i, knobs={"pcp_dcp_context_exchange": way})
        for i in (1, 8, 16) for way in CONTEXT_EXCHANGES},
-    # DCP inside TP (PCP = 1): models with fewer KV heads than -tp
-    **{f"tp2-dcp2-i{i}": Layout(tp=2, dcp=2, interleave=i) for i in (1, 8, 16)},
-    "tp2-dcp2-i8-graphs": Layout(tp=2, dcp=2, interleave=8, cuda_graphs=True),
+    # vLLM's own DCP inside TP (PCP = 1, FlashInfer): models with fewer KV heads than -tp
+    **{f"tp2-dcp2-i{i}": _stock(tp=2, dcp=2, interleave=i) for i in (1, 8, 16)},
+    "tp2-dcp2-i8-graphs": _stock(tp=2, dcp=2, interleave=8, cuda_graphs=True),
     # more ranks, and -tp with -pcp (the plugin's DCP then spans the PCP ranks of a TP rank)
     "pcp4": Layout(pcp=4),
+    # decodes on every rank: refused for a MoE model at -pcp > 2 (its default shards them)
+    "pcp4-replicate": Layout(pcp=4, knobs={"pcp_decode_policy": "replicate"}),
     **{f"pcp4-dcp4-i{i}": Layout(pcp=4, dcp=4, interleave=i) for i in (1, 8)},
     "pcp8": Layout(pcp=8),
     "tp2-pcp2": Layout(tp=2, pcp=2),
@@ -117,14 +122,14 @@ LAYOUTS: dict[str, Layout] = {
 }
 # fp8 KV caches against one GPU's fp8 (refused with -dcp: its path runs unquantized caches)
 LAYOUTS.update({f"{name}-fp8": _fp8(LAYOUTS[name])
-                for name in ("pcp1-v1", "pcp2", "pcp4", "pcp2-dcp2-i1")})
+                for name in ("pcp1", "pcp2", "pcp4", "pcp2-dcp2-i1")})
 # the memory budget: vLLM's own KV sizing at 0.9 of each GPU, split steps of the longest prompt
 LAYOUTS.update({f"{name}-budget": Layout(**{**LAYOUTS[name].__dict__,
                                              "gpu_memory_utilization": 0.9})
                 for name in ("pcp2", "pcp2-dcp2-i1-queries", "pcp2-dcp2-i1-keys", "pcp4")})
 # preemption: the same scheduler pool everywhere
 LAYOUTS.update({f"{name}-preempt": _preempt(LAYOUTS[name])
-                for name in ("pcp1-v1", "pcp2", "pcp4", "pcp2-dcp2-i1", "pcp2-dcp2-i16")})
+                for name in ("pcp1", "pcp2", "pcp4", "pcp2-dcp2-i1", "pcp2-dcp2-i16")})
 
 
 def serve_flags(name: str, cuda_graphs: bool | None = None) -> list[str]:
@@ -160,9 +165,10 @@ def engine_kwargs(name: str) -> dict:
     lay = LAYOUTS[name]
     kwargs = {"prefill_context_parallel_size": lay.pcp, "tensor_parallel_size": lay.tp,
               "decode_context_parallel_size": lay.dcp,
-              "cp_kv_cache_interleave_size": lay.interleave,
               "attention_backend": lay.attention_backend, "enforce_eager": not lay.cuda_graphs,
               "kv_cache_dtype": lay.kv_cache_dtype}
+    if lay.dcp > 1:
+        kwargs["cp_kv_cache_interleave_size"] = lay.interleave
     if lay.knobs:
         kwargs["additional_config"] = dict(lay.knobs)
     if lay.ray:
@@ -172,28 +178,53 @@ def engine_kwargs(name: str) -> dict:
     return kwargs
 
 
+def engine_env(name: str, base: dict) -> dict:
+    """``base`` (an environment) for an engine of ``name``: its layout's variables over it,
+    without :data:`RUNNER_VAR`, so that one GPU runs vLLM's Model Runner V2 as every
+    ``-pcp`` engine does (the two then draw a seeded request's random numbers alike)."""
+    env = {k: v for k, v in base.items() if k != RUNNER_VAR}
+    return {**env, **LAYOUTS[name].env}
+
+
 def gpus(name: str) -> int:
     """GPUs one engine of a layout takes (DCP splits the ranks PCP or TP already has)."""
     lay = LAYOUTS[name]
     return lay.pcp * lay.tp
 
 
-def takes_ragged(name: str) -> bool:
-    """Whether a layout's fresh split steps attend with the ragged kernel (DCP = 1 at PCP > 1,
-    ``pcp_split_attention`` auto, an unquantized cache: ``vllm_pcp.pcp.ragged``)."""
+def decode_policy(name: str, moe: bool) -> str | None:
+    """Which ranks compute a decode in an engine of ``name`` (``replicate`` or ``shard``;
+    None at PCP = 1): the layout's ``pcp_decode_policy``, ``auto`` sharding a
+    mixture-of-experts model's decodes at ``-pcp`` > 2; with ``-dcp`` every rank attends
+    its shard of each decode (docs/design.md, "Decode steps")."""
     lay = LAYOUTS[name]
-    return (lay.pcp > 1 and lay.dcp == 1 and lay.kv_cache_dtype == "auto"
-            and lay.knobs.get("pcp_split_attention", "auto") == "auto")
+    if lay.pcp == 1:
+        return None
+    policy = lay.knobs.get("pcp_decode_policy", "auto")
+    if lay.dcp > 1:
+        return "replicate"
+    if policy == "auto":
+        return "shard" if moe and lay.pcp > 2 else "replicate"
+    return policy
+
+
+def exact_sampling(name: str) -> bool:
+    """Whether seeded samples of ``name`` must equal one GPU's token for token: at DCP = 1
+    with ``pcp_split_attention`` ``paged`` every split row attends with one GPU's
+    FlashInfer prefill kernel, and Model Runner V2 draws alike on both sides. Not with
+    ``-tp``, whose all-reduce sums otherwise than one GPU."""
+    lay = LAYOUTS[name]
+    return (lay.pcp > 1 and lay.dcp == 1 and lay.tp == 1
+            and lay.knobs.get("pcp_split_attention") == "paged")
 
 
 def baseline(name: str) -> str | None:
-    """The one-GPU layout ``name`` is held to, on the V1 runner the plugin runs (CUDA
-    graphs against CUDA graphs, fp8 against fp8, the same preemption pool); None for a
-    one-GPU layout."""
+    """The one-GPU layout ``name`` is held to: ``pcp1`` (CUDA graphs against CUDA graphs,
+    fp8 against fp8, the same preemption pool); None for a one-GPU layout."""
     if gpus(name) == 1:
         return None
-    base = "pcp1-v1-graphs" if LAYOUTS[name].cuda_graphs else "pcp1-v1"
+    base = "pcp1-graphs" if LAYOUTS[name].cuda_graphs else "pcp1"
     for suffix in ("-fp8", "-preempt"):
         if name.endswith(suffix):
-            base = "pcp1-v1" + suffix
+            base = "pcp1" + suffix
     return base

@@ -4,7 +4,8 @@ write (``WORK/rows/TEST.json``: ``kind``, ``key``, ``session``, ``runs``, what i
 A file already in ``--results-dir`` is cut back into rows (:func:`committed_rows`), one per
 kind and engine; a session's rows replace those of the same kind and engine, the rest stay
 with their revisions (``meta.runs_by_git_rev``). So a slice run into ``tests/gpu/results``
-updates what it re-ran and keeps the rest."""
+updates what it re-ran and keeps the rest, unless the file ran on another vLLM than this
+host's (its ``meta.vllm``): then the session's rows replace the whole file."""
 import json
 from pathlib import Path
 
@@ -152,7 +153,7 @@ def assemble(rows: list[dict]) -> dict[str, tuple[list[dict], dict]]:
 
 def _key(model: str, label: str) -> tuple[tuple, str | None]:
     """``(model, variant, layout)`` and the baseline of a case's ``config`` label:
-    "pcp2 vs pcp1-v1, chunked", "pcp2, unchunked" (a refusal), "pcp2 vs pcp1-v1" (teacher)."""
+    "pcp2 vs pcp1, chunked", "pcp2, unchunked" (a refusal), "pcp2 vs pcp1" (teacher)."""
     head, sep, variant = label.rpartition(", ")
     head, variant = (head, variant) if sep else (label, "chunked")
     layout, _, base = head.partition(" vs ")
@@ -249,26 +250,31 @@ def _union(kept: dict, new: dict) -> dict:
     return {**kept, "git_revs": revs if len(revs) > 1 else None}
 
 
-def committed_rows(results_dir: str) -> list[dict]:
+def committed_rows(results_dir: str, vllm: str | None = None) -> list[dict]:
     """The rows the result files in ``results_dir`` hold: a row per kind and engine, its runs
-    at the revisions of the file's ``meta``, ``session`` None."""
+    at the revisions of the file's ``meta``, ``session`` None; with ``vllm``, only those of
+    files that ran on that vLLM version."""
     out: dict[tuple, dict] = {}
     for name in FILES:
         path = Path(results_dir, name)
         if path.exists():
             doc = json.loads(path.read_text())
-            _cut(name, doc, _adder(out, doc["meta"]))
+            if vllm is None or doc["meta"].get("vllm") == vllm:
+                _cut(name, doc, _adder(out, doc["meta"]))
     return list(out.values())
 
 
 def write_results(work_dir: str, results_dir: str, session: str | None,
-                  **meta_fields) -> list[str]:
+                  host: dict | None = None, **meta_fields) -> list[str]:
     """The paths of the result files that hold a row of ``session`` from ``work_dir``, each
-    merged into its file already in ``results_dir``; ``meta_fields`` go into their ``meta``
-    (results.meta's ``command``, ``host``, or a field of its own)."""
+    merged into its file already in ``results_dir`` where that ran on the vLLM of ``host``
+    (:func:`results.versions` of this one when None); ``meta_fields`` go into their ``meta``
+    (results.meta's ``command``, or a field of its own)."""
+    host = results.versions() if host is None else host
     rows = [json.loads(p.read_text()) for p in sorted(Path(work_dir, "rows").glob("*.json"))]
     fresh = {(r["kind"], tuple(r["key"])) for r in rows}
-    rows += [r for r in committed_rows(results_dir) if (r["kind"], tuple(r["key"])) not in fresh]
+    rows += [r for r in committed_rows(results_dir, host.get("vllm"))
+             if (r["kind"], tuple(r["key"])) not in fresh]
     paths = []
     for name, (used, payload) in assemble(rows).items():
         if not any(r.get("session") == session for r in used):
@@ -276,5 +282,6 @@ def write_results(work_dir: str, results_dir: str, session: str | None,
         extra = {**meta_extra(used), **meta_fields}
         if name == "exactness-teacher.json":
             extra["measure"] = judge.TEACHER_MEASURE
-        paths.append(results.write(results_dir, name, {"meta": results.meta(**extra), **payload}))
+        paths.append(results.write(results_dir, name,
+                                   {"meta": results.meta(host=host, **extra), **payload}))
     return paths

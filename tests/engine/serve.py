@@ -24,7 +24,7 @@ import psutil
 import results
 import shared_gpu
 from judge import compare_outputs
-from layouts import LAYOUTS, serve_flags
+from layouts import engine_env, serve_flags
 
 VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 TIMEOUT_S = 120.0  # a request not answered by then is a hang
@@ -51,8 +51,8 @@ def serve(layout: str, model: str, log: str, *flags: str, env: dict | None = Non
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = ["serve", model, "--port", str(port), *serve_flags(layout, cuda_graphs), *flags]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(shared_gpu.env() if share_gpus else {}),
-           **LAYOUTS[layout].env, **(env or {})}
+    env = {**engine_env(layout, {**os.environ, "PYTHONUNBUFFERED": "1",
+                                 **(shared_gpu.env() if share_gpus else {})}), **(env or {})}
     (log := Path(log)).parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen([*VLLM, *args], stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -32,7 +32,7 @@ GIB = 1 << 30
 COMMON = ("--seed", "0", "--gpu-memory-utilization", "0.05", "--no-enable-flashinfer-autotune")
 CHAT_FLAGS = ("--max-model-len", "4096", "--gpu-memory-utilization", "0.1", "--seed", "0",
               "--kv-cache-memory-bytes", str(2 * GIB), "--max-num-batched-tokens", "256",
-              "--max-num-seqs", "16", "--enable-log-requests")
+              "--max-num-seqs", "16", "--enable-log-requests", "--no-enable-flashinfer-autotune")
 # 512 tokens a step: the dead rank's 30,000-token prompt prefills over 59 steps
 FAULT_FLAGS = (*COMMON, "--kv-cache-memory-bytes", str(4 * GIB), "--max-model-len", "32768",
                "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--enable-log-requests")
@@ -106,7 +106,7 @@ FAULT_CASES = {"empty_prompt": (body(prompt=""), 1, False),
                "prompt_over_max_model_len": (body(prompt=[791] * 32769), 1, False),
                "max_tokens_0": (body(prompt=serve.QUESTION, max_tokens=0), 1, True),
                "one_token_prompt": (body(prompt=[791]), 1, False),
-               # over --max-num-seqs; vLLM 0.26.0 refuses n > 1 at temperature 0: seeded sampling
+               # over --max-num-seqs; vLLM refuses n > 1 at temperature 0: seeded sampling
                "n_over_max_num_seqs": (body(prompt=serve.QUESTION, n=17, temperature=1.0, seed=0),
                                        17, False),
                "malformed_json": (body(prompt="hi")[:-1] + b', "max_tokens": ', 1, False)}
@@ -157,17 +157,17 @@ def dead_rank(server) -> dict:
     return {**run, **serve.judge_dead_rank(run, server.log.read_text(errors="replace"))}
 
 
-@pytest.mark.parametrize("layout", layouts("pcp1-v1", "pcp2-split-all", "pcp2-dcp2-split-all"))
+@pytest.mark.parametrize("layout", layouts("pcp1", "pcp2-split-all", "pcp2-dcp2-split-all"))
 def test_bad_requests_and_dead_rank(request, layout):
-    """Bad requests a 4xx or -pcp 1's answer (V1 runner); a dead rank stops the server, named."""
+    """Bad requests a 4xx or -pcp 1's answer; a dead rank stops the server, named."""
     def faults(server) -> dict:
         requests, dead = bad_requests(server, runs[0]), dead_rank(server)
         return {"requests": requests, "dead_rank": dead,
                 "goals": {**requests.pop("goals"), **dead.pop("goals")}}
 
-    runs = [serve.cached(request, "serve-faults/pcp1-v1", lambda: on_server(
-        request, "pcp1-v1", QWEN, "faults", FAULT_FLAGS, lambda s: bad_requests(s, None)))]
-    if layout != "pcp1-v1":  # its rank is killed: outside any MPS daemon (shared_gpu.py)
+    runs = [serve.cached(request, "serve-faults/pcp1", lambda: on_server(
+        request, "pcp1", QWEN, "faults", FAULT_FLAGS, lambda s: bad_requests(s, None)))]
+    if layout != "pcp1":  # its rank is killed: outside any MPS daemon (shared_gpu.py)
         runs.append(serve.cached(request, f"serve-faults/{layout}", lambda: on_server(
             request, layout, QWEN, "faults", FAULT_FLAGS, faults, shared_gpu.without_mps())))
     serve.write_result(request, "serve-faults.json", serve.goals_file)

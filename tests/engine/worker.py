@@ -208,6 +208,23 @@ def engine_kwargs(layout: str, hf: dict, variant: str, max_tokens: int,
             "enable_flashinfer_autotune": False, **kwargs}
 
 
+def engine_facts(llm, layout: str) -> dict:
+    """What the engine ran on: its KV capacity, the GPUs its ranks shared (set by the
+    shared-GPU plugin), vLLM's version and runner, each PCP rank's step counts and
+    sampled-token checks."""
+    import vllm
+
+    config = llm.llm_engine.vllm_config
+    cache = config.cache_config
+    return {"kv_capacity_tokens": cache.num_gpu_blocks * cache.block_size
+            * layouts.LAYOUTS[layout].dcp,
+            "shared_gpus": os.environ.get("VLLM_PCP_TEST_SHARED_GPUS_ENGAGED"),
+            "vllm_version": vllm.__version__,
+            "model_runner_v2": bool(config.use_v2_model_runner),
+            "step_counts": _per_rank(llm, "pcp_step_counts"),
+            "sampled_token_checks": _per_rank(llm, "pcp_sampled_token_checks")}
+
+
 def shut_down(llm) -> None:
     """On Ray, the engine's executor and ranks, stopped while Ray still runs. Left to the
     exit, Ray's own shutdown (registered when ``ray`` is first imported, after the
@@ -226,7 +243,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--teacher", default="")
     args = ap.parse_args()
-    os.environ.update(layouts.LAYOUTS[args.layout].env)  # read by vLLM when it picks a runner
+    # read by vLLM at start: the layout's variables and no runner choice (Model Runner V2)
+    os.environ.pop(layouts.RUNNER_VAR, None)
+    os.environ.update(layouts.LAYOUTS[args.layout].env)
     # vLLM's engine core in this process: a generate call's requests all reach the scheduler
     # before its first step, an arrival case's after exactly 4 steps, so every case's steps
     # are the same from run to run (a core process of its own takes them as they come)
@@ -240,12 +259,7 @@ def main() -> None:
     llm = LLM(model=args.model, **kwargs)
     out = run_groups(llm, args, groups, kwargs["max_model_len"] - args.max_tokens - 8,
                      hf["vocab_size"], llm.get_tokenizer() if tokenizer else None)
-    lay, cache = layouts.LAYOUTS[args.layout], llm.llm_engine.vllm_config.cache_config
-    shared = os.environ.get("VLLM_PCP_TEST_SHARED_GPUS_ENGAGED")  # set by shared_gpu's plugin
-    Path(args.out + ".part").write_text(json.dumps({
-        "kv_capacity_tokens": cache.num_gpu_blocks * cache.block_size * lay.dcp,
-        "step_counts": _per_rank(llm, "pcp_step_counts"), "shared_gpus": shared,
-        "sampled_token_checks": _per_rank(llm, "pcp_sampled_token_checks"), **out}))
+    Path(args.out + ".part").write_text(json.dumps({**engine_facts(llm, args.layout), **out}))
     os.replace(args.out + ".part", args.out)  # whole: the harness waits a while for the exit
     shut_down(llm)
 

@@ -11,9 +11,10 @@ engine, as it loads vllm-pcp itself:
   it maps rank ``i`` to GPU ``i % gpus`` (``parallel_config.assigned_physical_gpu_ids``,
   which vLLM's ``--device-ids`` would refuse with duplicates), names the ``mp`` executor
   (vLLM refuses a world larger than the GPUs only when it picks the executor itself),
-  turns custom all-reduce off (it needs one GPU per rank), and asks for
-  ``--kv-cache-memory-bytes``: a rank's memory profile would count the other ranks'
-  allocations on the same GPU. With ``--distributed-executor-backend ray`` it starts a
+  turns custom all-reduce off (it needs one GPU per rank), with ``-tp`` also vLLM's
+  FlashInfer and symmetric-memory all-reduces of the TP group (:data:`TP_ALLREDUCE_OFF`:
+  over ranks of one GPU they stalled), and asks for ``--kv-cache-memory-bytes``: a rank's
+  memory profile would count the other ranks' allocations on the same GPU. With ``--distributed-executor-backend ray`` it starts a
   local Ray head that declares ``world`` GPUs, so that vLLM's placement group of one GPU
   per rank is granted.
 - the variables it sets then reach every process the engine starts: each process gives
@@ -40,6 +41,9 @@ MODE_VAR = "VLLM_PCP_TEST_SHARE_GPUS"  # off (unset) | auto | force
 ENGAGED_VAR = "VLLM_PCP_TEST_SHARED_GPUS_ENGAGED"  # the GPU count, set once engaged
 ACCEPT_KV_DTYPES_VAR = "VLLM_PCP_TEST_ACCEPT_KV_DTYPES"  # e.g. "fp8_e5m2": -pcp takes them
 MPS_PIPE_VAR, MPS_PIPE_DEFAULT = "CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"  # CUDA's own
+# vLLM's all-reduces of the TP group that assume a GPU per rank: with -tp on shared GPUs
+# the ranks stalled in FlashInfer's ("falling back to trtllm backend")
+TP_ALLREDUCE_OFF = {"VLLM_ALLREDUCE_USE_FLASHINFER": "0", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 
 _registered = False
 
@@ -130,6 +134,8 @@ def engage(args, world_size: int, gpus: int) -> None:
     args._pcp_shared_device_ids = shared_device_ids(world_size, _visible_physical_ids(gpus))
     os.environ.update({ENGAGED_VAR: str(gpus), "NCCL_SOCKET_IFNAME": "lo",
                        "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+    if args.tensor_parallel_size > 1:  # read by each rank as it builds its TP group
+        os.environ.update(TP_ALLREDUCE_OFF)
     if args.distributed_executor_backend == "ray":
         _start_ray(world_size)
     init_logger("vllm.vllm_pcp.tests.shared_gpu").warning(
