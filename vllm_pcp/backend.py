@@ -198,7 +198,7 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             return self._build_dcp(cm, pcp_step)
         if self.pcp_world_size > 1 and cm.num_actual_tokens == 0:
             return PCPEmptyMetadata(cm.slot_mapping)
-        if (pcp_step is not None and pcp_step.gathered and pcp_step.is_fresh
+        if (pcp_step is not None and pcp_step.plan.is_split and pcp_step.is_fresh
                 and self.can_attend_ragged()):
             return PCPRaggedMetadata(cm.slot_mapping, self._plan_ragged(pcp_step))
         return super().build(common_prefix_len, cm, fast_build)
