@@ -5,11 +5,13 @@
 Rank 0 of 2 (bench model heads, interleave 8) runs one layer's plugin work on meta tensors
 with FlashInfer and the process group stood in for: aten ops (``kernel_ops``: less views and
 allocations), collectives, FlashInfer calls, in the step's first layer and again in a later
-layer (``later_layer``: a model's other layers run the same planned step). Steps: ``mixed``
-(15 decodes at 16K context beside the second 8K chunk of a 16K prompt), ``prefill`` (that
-chunk), ``decode``. ``plan_host_ms``: the median host time (ms, this CPU) of the step's plan,
-the plugin's split and index work (``build_dcp_plan`` and ``DCPAttention.plan``), FlashInfer's
-own plans stood in for.
+layer (``later_layer``: a model's other layers run the same planned step). Each step is split
+by the plugin's PCP manager on the CPU, as an engine splits it. Steps: ``mixed`` (15 decodes
+at 16K context beside the second 8K chunk of a 16K prompt), ``prefill`` (that chunk),
+``decode``. Host times (median, ms, this CPU): ``partition_host_ms``, the manager's partition
+of the global batch (vLLM's, with the plugin's split); ``plan_host_ms``, the step's DCP plan
+and index work (``build_dcp_plan`` and ``DCPAttention.plan``), FlashInfer's own plans stood
+in for; torch's CPU ops run on one thread, as vLLM runs them while serving.
 """
 from __future__ import annotations
 
@@ -91,23 +93,35 @@ FLASHINFER = SimpleNamespace(
 
 def step_batch(step: str, scale: int = 1) -> tuple[list[int], list[int], list[int]]:
     """``(computed, scheduled, prompt lengths)`` of each request of ``step``, its lengths
-    divided by ``scale`` (a CPU test's small copy)."""
+    divided by ``scale`` (a CPU test's small copy). A decoding request's prompt is its
+    context (it is past its prefill)."""
     context, prompt, chunk = CONTEXT // scale, PROMPT // scale, CHUNK // scale
     dec = [context + i for i in range(DECODES)]
     return {"mixed": (dec + [chunk], [1] * DECODES + [prompt - chunk - DECODES],
-                      [c + 1 for c in dec] + [prompt]),
+                      dec + [prompt]),
             "prefill": ([chunk], [prompt - chunk], [prompt]),
-            "decode": (dec, [1] * DECODES, [c + 1 for c in dec])}[step]
+            "decode": (dec, [1] * DECODES, dec)}[step]
 
 
-def _plan_host_ms(plan) -> float:
-    """Median host time (ms) of ``plan()`` over :data:`PLAN_RUNS` calls, after a few."""
+def split_step(step: str, exchange: str = "auto"):
+    """Rank ``RANK``'s split of ``step`` at -pcp 2 -dcp 2 by the plugin's manager (CPU);
+    ``(step's split, partition())``, the latter partitioning the step again."""
+    from bench_steps import eager, partition, settings
+
+    computed, scheduled, prompts = step_batch(step)
+    s = settings(WORLD, WORLD, CHUNK, context_exchange=exchange)
+    p = partition(s, RANK, computed, scheduled, prompts, interleave=INTERLEAVE)
+    return p.step, lambda: p.manager.partition_batch(p.batch, eager())
+
+
+def _host_ms(fn) -> float:
+    """Median host time (ms) of ``fn()`` over :data:`PLAN_RUNS` calls, after a few."""
     for _ in range(5):
-        plan()
+        fn()
     times = []
     for _ in range(PLAN_RUNS):
         start = time.perf_counter()
-        plan()
+        fn()
         times.append((time.perf_counter() - start) * 1e3)
     return round(statistics.median(times), 4)
 
@@ -120,59 +134,85 @@ def _counts() -> dict:
             "collectives": COUNT.calls.get("collectives", 0)}
 
 
-def measure(step: str, exchange: str) -> dict:
-    """One layer's counts at ``step`` and context exchange ``exchange``, the first and a
-    later layer's, and the step's plan host time."""
-    import vllm.v1.attention.backends.flashinfer  # noqa: F401  (before the stand-ins)
+def _attention(table: torch.Tensor):
+    """DCPAttention on the stand-ins, and its cache (meta tensors)."""
     from vllm_pcp.dcp.attention import DCPAttention
-    from vllm_pcp.dcp.plan import build_dcp_plan
-    from vllm_pcp.pcp.exchange import gather_kv
 
-    computed, scheduled, prompts = step_batch(step)
-    (hq, hkv), meta, dtype = HEADS, torch.device("meta"), torch.bfloat16
-
-    def split():
-        return build_dcp_plan(computed, scheduled, WORLD, RANK, INTERLEAVE,
-                              min_split_tokens=CHUNK, prefill_lens=prompts,
-                              context_exchange=exchange, kv_to_q_heads=hkv / hq)
-    pages = -(-(max(computed) + max(scheduled)) // (PAGE * WORLD)) + 1
-    table = torch.arange(len(computed) * pages, dtype=torch.int32).view(-1, pages)
+    (hq, hkv), meta = HEADS, torch.device("meta")
     # vLLM's FlashInfer cache: K and V packed in the last dim, read as two views
-    cache = torch.empty(table.numel(), PAGE, hkv, 2 * HEAD_DIM, dtype=dtype,
+    cache = torch.empty(table.numel(), PAGE, hkv, 2 * HEAD_DIM, dtype=torch.bfloat16,
                         device=meta).split(HEAD_DIM, dim=-1)
     with patch.dict(sys.modules, flashinfer=FLASHINFER):  # DCPAttention takes its kernels
         attn = DCPAttention(torch.empty(1, dtype=torch.uint8, device=meta), hq, hkv, HEAD_DIM,
-                            PAGE, dtype, HEAD_DIM ** -0.5, "NHD")
+                            PAGE, torch.bfloat16, HEAD_DIM ** -0.5, "NHD")
     attn._fast_plan_decode = lambda *args, **kwargs: None
-    plan_ms = _plan_host_ms(lambda: attn.plan(split(), table))  # CPU table: index work only
-    plan = split()
-    planned, tokens = attn.plan(plan, table.to(meta)), sum(scheduled)
-    q = torch.empty(tokens, hq, HEAD_DIM, dtype=dtype, device=meta)
-    k = torch.empty(tokens, hkv, HEAD_DIM, dtype=dtype, device=meta)
+    return attn, cache
+
+
+def _layer(attn, cache, step, plan, planned):
+    """One layer of ``PCPFlashInferImpl``'s forward under -dcp on meta tensors, less
+    vLLM's cache write."""
+    from vllm_pcp.pcp.exchange import gather_kv
+
+    (hq, hkv), meta = HEADS, torch.device("meta")
+    n, padded = plan.num_local_tokens, step.plan.num_padded_tokens_per_rank
+    tokens = max(padded, n)
+    q, out = (torch.empty(tokens, hq, HEAD_DIM, dtype=torch.bfloat16, device=meta)
+              for _ in range(2))
+    k = torch.empty(tokens, hkv, HEAD_DIM, dtype=torch.bfloat16, device=meta)
+    ctx_rows = 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded
 
     def layer():
-        if plan.decode is not None:
-            return attn.run(planned, GROUP, q, None, None, cache)
-        m, padded = len(plan.pcp.local_token_indices), plan.pcp.num_padded_tokens_per_rank
-        ctx_rows = 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded
-        context = planned.read_context(cache)
-        k_buf, v_buf = gather_kv(GROUP, k[:m], k[:m], padded,
-                                 *((context, ctx_rows) if context is not None else ()))
-        return attn.run(planned, GROUP, q[:m], k_buf, v_buf, cache)
+        if step.gathered:  # the context read before this step's write
+            k_step, v_step = gather_kv(GROUP, k[:padded], k[:padded], padded,
+                                       planned.read_context(cache), ctx_rows)
+        else:
+            k_step = v_step = k[:n]
+        return attn.run(planned, GROUP, q[:n], k_step, v_step, cache, out=out[:n])
+    return layer
+
+
+def measure(step: str, exchange: str) -> dict:
+    """One layer's counts at ``step`` and context exchange ``exchange``, the first and a
+    later layer's; the host time of the step's partition (``partition_host_ms``: the
+    plugin's manager) and of its DCP plan (``plan_host_ms``: ``build_dcp_plan`` and
+    ``DCPAttention.plan``)."""
+    import vllm.v1.attention.backends.flashinfer  # noqa: F401  (before the stand-ins)
+    from bench_steps import unpin_host_memory_without_cuda
+    from vllm_pcp.dcp.plan import build_dcp_plan
+
+    unpin_host_memory_without_cuda()
+    computed, scheduled, _ = step_batch(step)
+    (hq, hkv), meta = HEADS, torch.device("meta")
+    pages = -(-(max(computed) + max(scheduled)) // (PAGE * WORLD)) + 1
+    table = torch.arange(len(computed) * pages, dtype=torch.int32).view(-1, pages)
+    attn, cache = _attention(table)
+    s, partition = split_step(step, exchange)
+
+    def plan():
+        return build_dcp_plan(s, INTERLEAVE, context_exchange=exchange, kv_to_q_heads=hkv / hq)
+    partition_ms = _host_ms(partition)
+    plan_ms = _host_ms(lambda: attn.plan(plan(), table))  # CPU table: index work only
+    p = plan()
+    layer = _layer(attn, cache, s, p, attn.plan(p, table.to(meta), kv_gathered=s.gathered))
     counted = []
     for _ in range(2):  # the step's first layer, then a later one
         COUNT.ops, COUNT.calls = {}, {}
         with COUNT:
             layer()
         counted.append(_counts())
-    return {"step": step, "exchange": exchange, "interleave": INTERLEAVE, **counted[0],
-            "later_layer": counted[1], "plan_host_ms": plan_ms}
+    return {"step": step, "exchange": exchange, "interleave": INTERLEAVE,
+            "gathered": s.gathered, **counted[0], "later_layer": counted[1],
+            "partition_host_ms": partition_ms, "plan_host_ms": plan_ms}
 
 
 if __name__ == "__main__":
+    from vllm.utils.torch_utils import set_torch_threads_for_runtime
+
     ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    set_torch_threads_for_runtime()
     rows = [measure(step, exchange) for step, exchange in STEPS]
     meta = results.meta(shlex.join(["python", "benchmarks/dcp_host.py", *sys.argv[1:]]),
                         device="CPU, meta tensors (no GPU)")

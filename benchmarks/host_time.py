@@ -5,29 +5,35 @@
 Rank 0 of 2 on the steps of ``benchmarks/dcp_host.py`` (``mixed``: 15 decodes at a 16K
 context beside the second 8K chunk of a 16K prompt; ``prefill``: that chunk alone;
 ``decode``: the decodes alone), the bench model's heads, real tensors and FlashInfer kernels.
-The other rank is stood in: its collectives give this rank's tensors back (copies), so no
-NCCL time is in the figures. Per step and layout:
+Each step is split by the plugin's PCP manager on the GPU, as in an engine, torch's CPU ops
+on one thread as vLLM runs them while serving. The other rank is stood in: its collectives
+give this rank's tensors back (copies), so no NCCL time is in the figures. Per step and
+layout:
 
-    plan_ms    the step's plan on the host, once per step: the split (or the DCP plan) and
-               its FlashInfer plans, timed with the GPU idle (mean of RUNS)
-    plan_parts_ms  where the plan's host time goes (the same calls, GPU idle): ``split``, the
-               plugin's split (``build_pcp_metadata``, ``build_dcp_plan``); ``flashinfer``,
-               FlashInfer's ``plan`` calls; ``rest``, the plugin's index work and its copies
-               to the device
+    plan_ms    the step's plan on the host, once per step: the manager's partition of the
+               global batch and its slot mapping, the DCP plan, FlashInfer's plans, timed
+               with the GPU idle (mean of RUNS)
+    plan_parts_ms  where the plan's host time goes (the same calls, GPU idle):
+               ``partition``, the manager (``GQAPCPManager.partition_batch``, vLLM's with
+               the plugin's split, and its slot mapping); ``dcp_plan``, ``build_dcp_plan``;
+               ``flashinfer``, FlashInfer's ``plan`` calls; ``rest``, the plugin's index
+               work and its copies to the device
     plan_top   the plan's functions with the most own host time (cProfile over RUNS plans,
                GPU idle): ``[function, calls per plan, ms per plan]``
     plan_waits whether the plan waits for the GPU: queued behind a GPU sleep of about a
                second, its first call takes more than half of it (a plan that waits cannot
                run ahead of the step before it)
-    layer_ms   host time of one layer: the K/V all-gather, the cache write and attention,
-               launched while the GPU is kept busy, so no launch waits for it (mean of RUNS)
+    layer_ms   host time of one layer: the K/V all-gather (where the step gathers), the
+               cache write and attention, launched while the GPU is kept busy, so no
+               launch waits for it (mean of RUNS)
     gpu_ms     the same layer's GPU time (CUDA events), for scale
     layer_top  the same for the layer, launched while the GPU is kept busy
     syncs      host-device synchronizations in one layer call (torch's sync debug mode; the
                second of two calls), and ``sync_sites`` where they are
 
--pcp 2's layer is the plugin's K/V gather and write and the paged prefill and decode calls
-vLLM's FlashInfer forward makes for its rows; vLLM's own Python around them is not in it.
+-pcp 2's layer is the plugin's K/V gather and vLLM's cache write and the paged prefill and
+decode calls vLLM's FlashInfer forward makes for its rows (every step here has cached
+context, so no ragged kernel); vLLM's own Python around them is not in it.
 """
 from __future__ import annotations
 
@@ -44,12 +50,14 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_steps import (cache_write, dcp_slots, eager, global_batch, manager,  # noqa: E402
+                         settings)
 from dcp_host import CHUNK, INTERLEAVE, STEPS, WORLD, step_batch  # noqa: E402
 from kernel_choice import HEAD_DIM, HEADS, PAGE, WORKSPACE_BYTES  # noqa: E402
 import results  # noqa: E402  (kernel_choice put tests/engine on the path)
 
-RUNS, WARMUP = 10, 3
-PLAN_PARTS = ("split", "flashinfer")  # plan_parts_ms, less "rest"
+RUNS, WARMUP, LAYERS = 10, 3, 36
+PLAN_PARTS = ("partition", "dcp_plan", "flashinfer")  # plan_parts_ms, less "rest"
 _OPEN = "open"  # key of ``parts`` set while a timed call runs
 _clock = time.perf_counter
 
@@ -77,24 +85,9 @@ GROUP = SimpleNamespace(  # rank 0 of WORLD: every rank's tensors are this rank'
     all_to_all=lambda x: x.clone())
 
 
-def _cache_write(device):
-    """vLLM's cache write (``reshape_and_cache_flash``; plain torch off the GPU)."""
-    if device.type == "cuda":
-        from vllm import _custom_ops as ops
-
-        one = torch.ones(1, device=device)
-        return lambda k, v, cache, slots: ops.reshape_and_cache_flash(
-            k, v, cache[0], cache[1], slots, "auto", one, one)
-
-    def write(k, v, cache, slots):
-        keep = slots >= 0
-        for view, x in zip(cache, (k, v)):
-            view.view(-1, *x.shape[1:])[slots[keep]] = x[keep]
-    return write
-
-
-def _setup(computed, scheduled, device, shard: int):
-    """The batch's block table, a cache holding ``1 / shard`` of each sequence, q, k, v."""
+def _setup(computed, scheduled, device, shard: int) -> SimpleNamespace:
+    """The batch's block table, a cache holding ``1 / shard`` of each sequence, q, k, v
+    of every step token, a layer output buffer."""
     (hq, hkv), dtype = HEADS, torch.bfloat16
     pages = -(-(max(computed) + max(scheduled)) // (PAGE * shard)) + 1
     table = torch.arange(len(computed) * pages, dtype=torch.int32, device=device).view(-1, pages)
@@ -103,103 +96,140 @@ def _setup(computed, scheduled, device, shard: int):
                         device=device).split(HEAD_DIM, dim=-1)
     tokens = sum(scheduled)
     q, k, v = (torch.randn(tokens, h, HEAD_DIM, dtype=dtype, device=device) for h in (hq, hkv, hkv))
-    return table, cache, q, k, v
+    return SimpleNamespace(table=table, cache=cache, q=q, k=k, v=v, out=torch.empty_like(q))
+
+
+def _split(step: str, device, scale: int, dcp: int, exchange: str = "auto"):
+    """The step's global batch and rank 0's manager at -pcp 2 (-dcp ``dcp``)."""
+    computed, scheduled, prompts = step_batch(step, scale)
+    s = settings(WORLD, dcp, CHUNK // scale, context_exchange=exchange)
+    batch = global_batch(computed, scheduled, prompts, device)
+    m = manager(s, 0, device, len(computed), sum(scheduled), INTERLEAVE if dcp > 1 else 1)
+    return (computed, scheduled), batch, m
+
+
+def _timed_manager(m, parts: dict):
+    """The manager's partition and slot mapping, timed into ``parts["partition"]``."""
+    partition = _timed(m.partition_batch, parts, "partition")
+    convert = _timed(m._convert_to_gathered_slot_mappings, parts, "partition")
+    return partition, (lambda slots: convert(slots.unsqueeze(0))[0])
 
 
 def dcp_layer(step: str, exchange: str, device, scale: int = 1):
-    """``(plan(), layer())`` of -pcp 2 -dcp 2 rank 0: the step's plan, one layer's work."""
+    """``(plan(), layer())`` of -pcp 2 -dcp 2 rank 0: the step's plan, one layer's work
+    (``PCPFlashInferImpl``'s forward under -dcp)."""
     from vllm_pcp.dcp.attention import DCPAttention
     from vllm_pcp.dcp.plan import build_dcp_plan
-    from vllm_pcp.pcp.exchange import gather_kv
+    from vllm_pcp.pcp.exchange import gather_kv, with_context_rows
 
-    computed, scheduled, prompts = step_batch(step, scale)
-    table, cache, q, k, v = _setup(computed, scheduled, device, WORLD)
-    (hq, hkv), write = HEADS, _cache_write(device)
+    (computed, scheduled), batch, m = _split(step, device, scale, WORLD, exchange)
+    t, (hq, hkv), write = _setup(computed, scheduled, device, WORLD), HEADS, cache_write(device)
+    slots = dcp_slots(computed, scheduled, t.table, PAGE, WORLD, INTERLEAVE)
     attn = DCPAttention(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), hq, hkv,
                         HEAD_DIM, PAGE, torch.bfloat16, HEAD_DIM ** -0.5, "NHD")
-    state, parts = {}, {}
-    split = _timed(build_dcp_plan, parts, "split")
+    state, parts, desc = {}, {}, eager()
+    partition, slot_mapping = _timed_manager(m, parts)
+    dcp_plan = _timed(build_dcp_plan, parts, "dcp_plan")
     for wrapper in (attn._new, attn._split, attn._replicated, attn._decode):
         wrapper.plan = _timed(wrapper.plan, parts, "flashinfer")
     attn._fast_plan_decode = _timed(attn._fast_plan_decode, parts, "flashinfer")
 
     def plan():
-        p = split(computed, scheduled, WORLD, 0, INTERLEAVE, min_split_tokens=CHUNK // scale,
-                  prefill_lens=prompts, context_exchange=exchange, kv_to_q_heads=hkv / hq)
-        state.update(plan=p, planned=attn.plan(p, table))
+        s = partition(batch, desc).pcp.step
+        p = dcp_plan(s, INTERLEAVE, context_exchange=exchange, kv_to_q_heads=hkv / hq)
+        local_table = t.table.index_select(0, s.plan.row_req_indices.to(device, torch.int64))
+        rows = torch.from_numpy(s.first_local_row()).to(device, non_blocking=True)
+        planned = attn.plan(p, local_table.index_select(0, rows), kv_gathered=s.gathered)
+        ctx = 0 if p.ctx_gather is None else p.ctx_gather.num_padded
+        slot = slot_mapping(slots)
+        if s.gathered and ctx:
+            slot = with_context_rows(slot, s.plan.num_padded_tokens_per_rank, ctx)
+        state.update(step=s, plan=p, planned=planned, slots=slot, context_rows=ctx)
     plan.parts = parts
 
     def layer():
-        p, planned = state["plan"], state["planned"]
-        if p.decode is not None:  # vLLM's write of the owned tokens, then the shard
-            write(k, v, cache, _slots(len(k), table, device))
-            return attn.run(planned, GROUP, q, None, None, cache)
-        m, padded = len(p.pcp.local_token_indices), p.pcp.num_padded_tokens_per_rank
-        rows = 0 if p.ctx_gather is None else p.ctx_gather.num_padded
-        context = planned.read_context(cache)
-        k_buf, v_buf = gather_kv(GROUP, k[:m], v[:m], padded,
-                                 *((context, rows) if context is not None else ()))
-        write(k_buf, v_buf, cache, _slots(len(k_buf), table, device))
-        return attn.run(planned, GROUP, q[:m], k_buf, v_buf, cache)
+        s, p, planned = state["step"], state["plan"], state["planned"]
+        n, padded = p.num_local_tokens, s.plan.num_padded_tokens_per_rank
+        if s.gathered:  # the context read before this step's write
+            k, v = gather_kv(GROUP, t.k[:padded], t.v[:padded], padded,
+                             planned.read_context(t.cache), state["context_rows"])
+            write(k, v, t.cache, state["slots"])
+        else:  # vLLM's write of this rank's rows; every rank holds the step's tokens
+            write(t.k[:padded], t.v[:padded], t.cache, state["slots"])
+            k, v = t.k[:n], t.v[:n]
+        return attn.run(planned, GROUP, t.q[:n], k, v, t.cache, out=t.out[:n])
     return plan, layer
 
 
-def pcp_layer(step: str, device, scale: int = 1):
-    """``(plan(), layer())`` of -pcp 2 rank 0 (DCP = 1): the split and FlashInfer's plans of
-    its decode and prefill rows, as vLLM's FlashInfer forward calls them."""
+def _flashinfer_dcp1(workspace, parts: dict) -> SimpleNamespace:
+    """vLLM's FlashInfer wrappers at DCP = 1 (decode on tensor cores, paged prefill) and
+    its ``fast_plan_decode``, their plans timed into ``parts["flashinfer"]``."""
     import flashinfer
+    from vllm.v1.attention.backends.flashinfer import fast_plan_decode
 
-    from vllm_pcp.dcp.index import paged_kv_layout
-    from vllm_pcp.pcp.exchange import gather_kv
-    from vllm_pcp.pcp.partition import build_pcp_metadata, min_chunk_tokens
-
-    computed, scheduled, prompts = step_batch(step, scale)
-    table, cache, q, k, v = _setup(computed, scheduled, device, 1)
-    (hq, hkv), write, dtype = HEADS, _cache_write(device), torch.bfloat16
-    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
                                                            use_tensor_cores=True)
     prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="auto")
-    state, parts = {}, {}
-    split = _timed(build_pcp_metadata, parts, "split")
     decode.plan = _timed(decode.plan, parts, "flashinfer")
     prefill.plan = _timed(prefill.plan, parts, "flashinfer")
+    return SimpleNamespace(decode=decode, prefill=prefill,
+                           fast_plan_decode=_timed(fast_plan_decode, parts, "flashinfer"))
+
+
+def _plan_rows(fi: SimpleNamespace, p, table: torch.Tensor) -> None:
+    """Plan a rank's rows as vLLM's FlashInfer builder does: decode rows first, on the
+    decode kernel, the others on the paged prefill kernel."""
+    from vllm_pcp.dcp.index import paged_kv_layout
+
+    (hq, hkv), dtype = HEADS, torch.bfloat16
+    rows = table.index_select(0, p.row_req_indices.to(table.device, torch.int64,
+                                                      non_blocking=True))
+    indptr, indices, last = paged_kv_layout(p.seq_lens, rows, PAGE)
+    nd, qsl = p.num_decode_rows, p.query_start_loc
+    kw = dict(q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype,
+              sm_scale=HEAD_DIM ** -0.5)
+    if nd:
+        fi.fast_plan_decode(fi.decode, indptr[:nd + 1], indices, last[:nd], p.seq_lens[:nd],
+                            hq, hkv, HEAD_DIM, PAGE, **kw)
+    if p.num_rows > nd:
+        fi.prefill.plan(qsl[nd:] - qsl[nd], indptr[nd:] - indptr[nd],
+                        indices[int(indptr[nd]):], last[nd:], hq, hkv, HEAD_DIM, PAGE,
+                        causal=True, seq_lens=p.seq_lens[nd:], **kw)
+
+
+def pcp_layer(step: str, device, scale: int = 1):
+    """``(plan(), layer())`` of -pcp 2 rank 0 (DCP = 1): the manager's split and
+    FlashInfer's plans of its rows; the layer's K/V all-gather (where the step gathers),
+    cache write, decode and prefill calls."""
+    from vllm_pcp.pcp.exchange import gather_kv
+
+    (computed, scheduled), batch, m = _split(step, device, scale, 1)
+    t, write = _setup(computed, scheduled, device, 1), cache_write(device)
+    slots = dcp_slots(computed, scheduled, t.table, PAGE)
+    state, parts, desc = {}, {}, eager()
+    partition, slot_mapping = _timed_manager(m, parts)
+    fi = _flashinfer_dcp1(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), parts)
 
     def plan():
-        p = split(computed, scheduled, WORLD, 0, min_split_tokens=CHUNK // scale,
-                  prefill_lens=prompts, min_chunk_tokens=min_chunk_tokens(WORLD, 1))
-        rows = table.index_select(0, p.row_req_indices.to(device, torch.int64, non_blocking=True))
-        indptr, indices, last = paged_kv_layout(p.seq_lens, rows, PAGE)
-        nd, qsl = p.num_decode_rows, p.query_start_loc
-        kw = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=HEAD_DIM ** -0.5)
-        pages = indptr[nd:] - indptr[nd]
-        if nd:
-            decode.plan(indptr[:nd + 1], indices[:int(indptr[nd])], last[:nd], hq, hkv,
-                        HEAD_DIM, PAGE, **kw)
-        if p.num_rows > nd:
-            prefill.plan(qsl[nd:] - qsl[nd], pages, indices[int(indptr[nd]):], last[nd:], hq,
-                         hkv, HEAD_DIM, PAGE, causal=True, **kw)
-        state.update(plan=p, decodes=p.num_decode_tokens)
+        s = partition(batch, desc).pcp.step
+        _plan_rows(fi, s.plan, t.table)
+        state.update(step=s, slots=slot_mapping(slots))
     plan.parts = parts
 
     def layer():
-        p, nd = state["plan"], state["decodes"]
-        m = p.num_local_tokens
-        k_buf, v_buf = gather_kv(GROUP, k[:m], v[:m], p.num_padded_tokens_per_rank)
-        write(k_buf, v_buf, cache, _slots(len(k_buf), table, device))
-        out = torch.empty_like(q[:m])
+        s = state["step"]
+        p = s.plan
+        n, nd, padded = p.num_local_tokens, p.num_decode_tokens, p.num_padded_tokens_per_rank
+        k, v = t.k[:padded], t.v[:padded]
+        if s.gathered:  # the slot mapping covers every rank's rows
+            k, v = gather_kv(GROUP, k, v, padded)
+        write(k, v, t.cache, state["slots"])
         if nd:
-            decode.run(q[:nd], cache, out=out[:nd])
-        if m > nd:
-            prefill.run(q[nd:m], cache, out=out[nd:])
-        return out
+            fi.decode.run(t.q[:nd], t.cache, out=t.out[:nd])
+        if n > nd:
+            fi.prefill.run(t.q[nd:n], t.cache, out=t.out[nd:n])
+        return t.out[:n]
     return plan, layer
-
-
-def _slots(rows: int, table: torch.Tensor, device) -> torch.Tensor:
-    """Slots for ``rows`` written rows, every other one -1 (another rank's token)."""
-    slots = torch.arange(rows, device=device) % (table.numel() * PAGE)
-    return torch.where(slots % 2 == 0, slots, torch.full_like(slots, -1))
 
 
 SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time on an H200
@@ -312,31 +342,33 @@ def _syncs(fn, device) -> tuple[int | None, list[str]]:
     return len(synced), sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in synced})
 
 
+def _row(step: str, layout: str, plan, layer, device, sleep_ms) -> dict:
+    plan_ms, parts = _plan_ms(plan, device)
+    waits = _waits_for_gpu(plan, device, sleep_ms)
+    return {"step": step, "layout": layout, "plan_ms": plan_ms, "plan_parts_ms": parts,
+            "plan_top": _top(plan, device, busy=False), "plan_waits": waits,
+            "layer_ms": _host_ms(layer, device), "layer_top": _top(layer, device, busy=True),
+            "gpu_ms": _gpu_ms(layer, device),
+            **dict(zip(("syncs", "sync_sites"), _syncs(layer, device)))}
+
+
 def measure(device: torch.device, scale: int = 1) -> list[dict]:
     """A row per step and layout: plan_ms, plan_parts_ms, plan_top, plan_waits, layer_ms,
-    layer_top, gpu_ms, syncs."""
+    layer_top, gpu_ms, syncs; -pcp 2 once per step (beside its ``keys`` row)."""
     out, sleep_ms = [], _sleep_ms(device)
     for step, exchange in STEPS:
-        for layout, (plan, layer) in (
-                (f"pcp2-dcp2-i{INTERLEAVE}-{exchange}", dcp_layer(step, exchange, device, scale)),
-                ("pcp2", pcp_layer(step, device, scale) if exchange == "keys" else (None, None))):
-            if plan is None:
-                continue
-            plan_ms, parts = _plan_ms(plan, device)
-            waits = _waits_for_gpu(plan, device, sleep_ms)
-            out.append({"step": step, "layout": layout, "plan_ms": plan_ms,
-                        "plan_parts_ms": parts, "plan_top": _top(plan, device, busy=False),
-                        "plan_waits": waits, "layer_ms": _host_ms(layer, device),
-                        "layer_top": _top(layer, device, busy=True),
-                        "gpu_ms": _gpu_ms(layer, device),
-                        **dict(zip(("syncs", "sync_sites"), _syncs(layer, device)))})
+        out.append(_row(step, f"pcp2-dcp2-i{INTERLEAVE}-{exchange}",
+                        *dcp_layer(step, exchange, device, scale), device, sleep_ms))
+        if exchange == "keys":
+            out.append(_row(step, "pcp2", *pcp_layer(step, device, scale), device, sleep_ms))
     return out
 
 
-def ratios(rows: list[dict]) -> list[dict]:
-    """Per step: each DCP layout's host time (a step's plan plus 36 layers) over -pcp 2's."""
+def ratios(rows: list[dict], layers: int = LAYERS) -> list[dict]:
+    """Per step: each DCP layout's host time (a step's plan plus ``layers`` layers) over
+    -pcp 2's."""
     def step_ms(r):
-        return r["plan_ms"] + 36 * r["layer_ms"]
+        return r["plan_ms"] + layers * r["layer_ms"]
     base = {r["step"]: step_ms(r) for r in rows if r["layout"] == "pcp2"}
     return [{"step": r["step"], "layout": r["layout"], "host_ms_per_step": round(step_ms(r), 3),
              "over_pcp2": round(step_ms(r) / base[r["step"]], 3) if base.get(r["step"]) else None}
@@ -344,12 +376,15 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
+    from vllm.utils.torch_utils import set_torch_threads_for_runtime
+
     ap = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    set_torch_threads_for_runtime()
     rows = measure(torch.device("cuda"))
     meta = results.meta(shlex.join(["python", "benchmarks/host_time.py", *sys.argv[1:]]),
-                        runs=RUNS, warmup=WARMUP, layers=36,
+                        runs=RUNS, warmup=WARMUP, layers=LAYERS,
                         stood_in="the other rank: its collectives give this rank's tensors")
     results.write(os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.out),
                   {"meta": meta, "rows": rows, "summary": ratios(rows)})

@@ -16,7 +16,8 @@ the other ranks' K/V given rather than gathered:
 against one GPU's layer over the whole prompt (the same pieces at N = 1), both times the
 model's layers. Left out: the all-gathers, whose bytes per layer and per step are listed
 (``kv_gather_bytes_per_layer``, ``restore_bytes``) so that a run on N GPUs can check the
-projection; the embedding and the final norm and logits (one row).
+projection; the embedding and the final norm and logits (one row). ``goal`` and ``goal_met``:
+the projected speed-up a case is held to on the ragged kernel (:data:`GOALS`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ HIDDEN, FFN = kc.HF["hidden_size"], kc.HF["intermediate_size"]
 LAYERS = kc.HF["num_hidden_layers"]
 QKV = (kc.HEADS[0] + 2 * kc.HEADS[1]) * kc.HEAD_DIM
 PIECES = ("gemms", "attention", "write")
+# the projected speed-up each case is held to, on the ragged kernel (what fresh split
+# prompts take at pcp_split_attention auto): (N, prompt length) -> at least
+GOALS = {(2, 32768): 2.10, (2, 131072): 2.15, (4, 131072): 4.0}
 
 
 def gemms(rows: int, weights: SimpleNamespace):
@@ -52,6 +56,16 @@ def gemms(rows: int, weights: SimpleNamespace):
         up = norm(h, (HIDDEN,), weights.norm) @ weights.gate_up
         return (torch.nn.functional.silu(up[:, :FFN]) * up[:, FFN:]) @ weights.down + h
     return run
+
+
+def layer_weights() -> SimpleNamespace:
+    """One layer's weights of the bench model (bf16, random) on the GPU, for :func:`gemms`."""
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    return SimpleNamespace(norm=torch.ones(HIDDEN, **bf16),
+                           qkv=torch.randn(HIDDEN, QKV, **bf16) * 0.02,
+                           o=torch.randn(kc.HEADS[0] * kc.HEAD_DIM, HIDDEN, **bf16) * 0.02,
+                           gate_up=torch.randn(HIDDEN, 2 * FFN, **bf16) * 0.02,
+                           down=torch.randn(FFN, HIDDEN, **bf16) * 0.02)
 
 
 def cache_write(prompt, tokens: int):
@@ -74,13 +88,7 @@ def _ms(fn) -> float:
 def measure(cases: list[tuple[int, int]]) -> list[dict]:
     """Per prompt length its one-GPU pieces, then per case and rank the rank's pieces (ms)."""
     workspace = torch.empty(kc.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    weights = SimpleNamespace(norm=torch.ones(HIDDEN, **bf16),
-                              qkv=torch.randn(HIDDEN, QKV, **bf16) * 0.02,
-                              o=torch.randn(kc.HEADS[0] * kc.HEAD_DIM, HIDDEN, **bf16) * 0.02,
-                              gate_up=torch.randn(HIDDEN, 2 * FFN, **bf16) * 0.02,
-                              down=torch.randn(FFN, HIDDEN, **bf16) * 0.02)
-    out = []
+    weights, out = layer_weights(), []
     for prompt_len in sorted({p for _, p in cases}):
         prompt = kc.make_prompt(prompt_len)
         write = _ms(cache_write(prompt, prompt_len))
@@ -101,7 +109,8 @@ def measure(cases: list[tuple[int, int]]) -> list[dict]:
 
 def project(rows: list[dict], layers: int = LAYERS) -> list[dict]:
     """Per case (N > 1): the slowest rank's layer on each attention kernel, times ``layers``,
-    against one GPU's (paged) model; the all-gather bytes a run on N GPUs adds."""
+    against one GPU's (paged) model; the all-gather bytes a run on N GPUs adds; the
+    case's goal (:data:`GOALS`) and whether the ragged kernel's projection meets it."""
     def layer_ms(r: dict, kernel: str) -> float:
         attention = r["attention_paged"] if kernel == "paged" else (
             r["attention_ragged"] + r["ragged_gather"])
@@ -119,8 +128,15 @@ def project(rows: list[dict], layers: int = LAYERS) -> list[dict]:
             "slowest_rank_ms": kernels,
             "projected_speedup": {k: round(one[length] / ms, 3) for k, ms in kernels.items()},
             "kv_gather_bytes_per_layer": world * per_rank * 2 * kc.HEADS[1] * kc.HEAD_DIM * 2,
-            "restore_bytes": world * per_rank * HIDDEN * 2, "layers": layers})
+            "restore_bytes": world * per_rank * HIDDEN * 2, "layers": layers,
+            **_goal(world, length, one[length] / kernels["ragged"])})
     return out
+
+
+def _goal(world: int, length: int, speedup: float) -> dict:
+    """``goal`` and ``goal_met`` of a case with a goal; nothing for the others."""
+    goal = GOALS.get((world, length))
+    return {} if goal is None else {"goal": goal, "goal_met": round(speedup, 3) >= goal}
 
 
 if __name__ == "__main__":

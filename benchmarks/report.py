@@ -1,5 +1,7 @@
-"""Every table of README.md and docs/ from benchmarks/results/ and tests/gpu/results/:
-``python benchmarks/report.py``. tests/test_report.py keeps the docs equal to what it prints.
+"""Every table of docs/ and the figures README.md quotes, from benchmarks/results/ and
+tests/gpu/results/: ``python benchmarks/report.py``. tests/test_report.py keeps the docs equal
+to what it prints. A table whose result file is not committed yet (decode-policy.json) is left
+out until it is.
 """
 from __future__ import annotations
 
@@ -159,6 +161,64 @@ def projection_table(doc: dict) -> str:
                          "projection, ragged", "K/V all-gather per layer (MiB)"])
 
 
+def latency_timing(doc: dict) -> tuple[dict, dict]:
+    """A ``benchmarks/latency.py`` file as :func:`timing_table`'s two inputs: TTFT rows by
+    prompt length, and ITL rows (batch 1) at the longest prompt length with an ITL."""
+    runs = doc["runs"]
+    ttft = [{"config": r["config"], "prompt_len": r["input_len"], "median_s": r["ttft_s"]}
+            for r in runs if "ttft_s" in r]
+    itl_len = max((r["input_len"] for r in runs if "itl_ms" in r), default=None)
+    itl = [{"config": r["config"], "batch": 1, "median_s": r["itl_ms"] / 1e3}
+           for r in runs if "itl_ms" in r and r["input_len"] == itl_len]
+    return {"rows": ttft}, {"rows": itl}
+
+
+def _kib(num_bytes: int) -> str:
+    return f"{num_bytes / 1024:.1f}"
+
+
+def decode_policy_table(doc: dict) -> str:
+    """decode-policy.json: per case and N, each policy's GPU step on its busiest rank (ms;
+    ``replicate`` is one GPU's), their ratio, each policy's collectives per step and the
+    bytes a ring puts on each rank's link per step (KiB)."""
+    rows = []
+    for r in doc["summary"]:
+        ms = r["gpu_step_ms"]
+        context = f"{r['context'] // 1024}K" if r["context"] % 1024 == 0 else str(r["context"])
+        rows.append([f"B = {r['batch']}, {context}", str(r["N"]), _ms(ms["replicate"]),
+                     _ms(ms["shard"]), _x(ms["shard"], ms["replicate"]),
+                     f"{r['replicate_collectives_per_step']} / {r['shard_collectives_per_step']}",
+                     f"{_kib(r['replicate_wire_bytes_per_rank_per_step'])} / "
+                     f"{_kib(r['shard_wire_bytes_per_rank_per_step'])}"])
+    return _table(rows, ["case", "N", "replicate: GPU step (ms, 1 GPU)",
+                         "shard: GPU step (ms, busiest rank)", "shard / replicate",
+                         "collectives per step (replicate / shard)",
+                         "link bytes per rank per step, KiB (replicate / shard)"])
+
+
+def _speedup(ttft: dict, config: str, prompt_len: int, baseline: str = "pcp1") -> float:
+    med = {(r["config"], r["prompt_len"]): r["median_s"] for r in ttft["rows"]}
+    return med[(baseline, prompt_len)] / med[(config, prompt_len)]
+
+
+def readme_figures(root: str = ROOT) -> list[str]:
+    """The figures README.md quotes from the result files, as it writes them: TTFT
+    speed-ups over one GPU at 32K and 128K (``ttft.json``), the projection on the ragged
+    kernel (``projection.json``), gsm8k's widest distance from one GPU in points
+    (``gsm8k.json``)."""
+    def load(name):
+        with open(os.path.join(root, "benchmarks", "results", name)) as f:
+            return json.load(f)
+
+    ttft, projection, gsm8k = load("ttft.json"), load("projection.json"), load("gsm8k.json")
+    out = [f"{_speedup(ttft, c, n):.2f}x" for c in ("pcp2", "pcp2-dcp2", "tp2")
+           for n in (32768, 131072)]
+    out += [f"{r['projected_speedup']['ragged']:.2f}x" for r in projection["summary"]]
+    widest = max(abs(r.get(k, 0.0)) for r in gsm8k["rows"]
+                 for k in ("delta_strict", "delta_flexible"))
+    return out + [f"{widest:.2f} points"]
+
+
 def generated_tables(root: str = ROOT) -> dict[str, list[str]]:
     """Every table the docs print, by the markdown file (relative to ``root``) holding it."""
     def load(name, folder="benchmarks/results"):
@@ -168,11 +228,14 @@ def generated_tables(root: str = ROOT) -> dict[str, list[str]]:
     bench, gpu = load, partial(load, folder="tests/gpu/results")
     ttft, serve, gsm8k = bench("ttft.json"), bench("serve.json"), bench("gsm8k.json")
     projection = projection_table(bench("projection.json"))
+    decode_policy = ([decode_policy_table(bench("decode-policy.json"))]
+                     if os.path.exists(os.path.join(root, "benchmarks", "results",
+                                                    "decode-policy.json")) else [])
     return {
-        "README.md": [timing_table(ttft), projection, gsm8k_table(gsm8k)],
         os.path.join("docs", "benchmarks.md"): [
-            timing_table(ttft), projection, timing_table(bench("ttft-chunked.json"), bench("itl.json")),
-            serve_table(serve), gsm8k_table(gsm8k)],
+            timing_table(ttft), projection,
+            timing_table(bench("ttft-chunked.json"), bench("itl.json")),
+            serve_table(serve), gsm8k_table(gsm8k), *decode_policy],
         os.path.join("docs", "exactness.md"): [
             *(exactness_table(gpu(name)) for name in EXACTNESS_FILES),
             features_table(gpu("exactness-features.json")),
@@ -184,3 +247,4 @@ if __name__ == "__main__":
     for doc, tables in generated_tables().items():
         for table in tables:
             print(f"<!-- {doc} -->\n{table}\n")
+    print(f"<!-- README.md figures -->\n{', '.join(readme_figures())}")

@@ -41,3 +41,14 @@ def test_cases_parse_and_a_split_too_short_for_its_ranks_is_refused():
     for bad in ("1x4096", "4x15"):
         with pytest.raises(SystemExit, match="need N >= 2"):
             pj.kc.parse_cases(bad)
+
+
+def test_cases_with_a_goal_say_whether_the_ragged_projection_meets_it():
+    rows = [_row(1, 0, 10.0, 8.0, 7.0), _row(2, 0, 5.0, 1.0, 0.8), _row(2, 1, 5.0, 3.0, 2.0),
+            _row(1, 0, 10.0, 8.0, 7.0, length=4096), _row(2, 0, 5.0, 3.0, 2.0, length=4096)]
+    goal, other = pj.project(rows, layers=36)  # 32K: 18.5 / 7.6 = 2.43x on the ragged kernel
+    assert (goal["goal"], goal["goal_met"]) == (pj.GOALS[(2, 32768)], True)
+    assert "goal" not in other and "goal_met" not in other
+    slow = [_row(1, 0, 10.0, 8.0, 7.0), _row(2, 0, 8.0, 2.0, 1.5), _row(2, 1, 8.0, 3.0, 1.5)]
+    (case,) = pj.project(slow, layers=36)  # 18.5 / 10.1: under 2.10
+    assert case["goal_met"] is False
