@@ -37,6 +37,7 @@ from vllm_pcp.dcp.index import (context_slots, kept_rows, owned_split_tokens, pa
                                 positions_in, rows_index)
 from vllm_pcp.dcp.plan import AttentionRows, DCPAttentionPlan
 from vllm_pcp.pcp.exchange import all_gather_padded, all_to_all
+from vllm_pcp.pcp.fence import PlanFence
 
 
 @dataclass
@@ -123,6 +124,7 @@ class DCPAttention:
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, kv_layout, use_tensor_cores=True)
         self._kv_layout = kv_layout
+        self._fence = PlanFence()  # the wrappers' host buffers, between two steps' plans
 
     def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor,
              kv_gathered: bool = True) -> PlannedDCPStep:
@@ -134,6 +136,14 @@ class DCPAttention:
         (:func:`vllm_pcp.pcp.exchange.gather_kv`, context rows included); False: in
         step order (a step whose tokens every rank computes).
         """
+        self._fence.wait()
+        try:
+            return self._plan_step(plan, block_table, kv_gathered)
+        finally:
+            self._fence.record(block_table.device)
+
+    def _plan_step(self, plan: DCPAttentionPlan, block_table: torch.Tensor,
+                   kv_gathered: bool) -> PlannedDCPStep:
         dev = block_table.device
         step = PlannedDCPStep(plan, kv_layout=self._kv_layout)
         if plan.decode is not None:

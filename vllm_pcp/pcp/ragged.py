@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_pcp.pcp.fence import PlanFence
 from vllm_pcp.pcp.partition import PrefillContextParallelMetadata, expand_ranges, indptr_of
 
 
@@ -103,6 +104,7 @@ class RaggedSplitAttention:
         self.dtype, self.sm_scale = dtype, sm_scale
         self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD",
                                                                         backend="auto")
+        self._fence = PlanFence()  # the wrapper's host buffer, between two steps' plans
 
     def plan(self, plan: PrefillContextParallelMetadata, num_scheduled_tokens: Sequence[int],
              device: torch.device) -> PlannedRaggedStep:
@@ -112,8 +114,10 @@ class RaggedSplitAttention:
             return PlannedRaggedStep(self._wrapper, None, 0)
         kv_rows, kv_indptr = ragged_kv_rows(plan, num_scheduled_tokens)
         hq, hkv, dim = self.heads
+        self._fence.wait()
         self._wrapper.plan(plan.query_start_loc, kv_indptr, hq, hkv, dim, causal=True,
                            sm_scale=self.sm_scale, q_data_type=self.dtype,
                            kv_data_type=self.dtype, o_data_type=self.dtype)
+        self._fence.record(device)
         return PlannedRaggedStep(self._wrapper, kv_rows.to(device, non_blocking=True),
                                  plan.num_local_tokens)
