@@ -1,1032 +1,632 @@
-"""vLLM 0.26.0 internals that vllm-pcp's subclasses rely on, pinned on real vLLM objects.
-
-``tests/test_vllm_seams.py`` pins the runtime patches and the signatures of the
-methods the subclasses override; this file pins what those subclasses read,
-write and call inside vLLM (the rows of ``vllm_pcp/patches/README.md``). Each
-test asserts on vLLM's own classes: a real object built on the CPU where vLLM
-allows it (``GPUModelRunner``, ``InputBatch``, the FlashInfer builder and impl,
-``ForwardContext``, ``VllmConfig``), else ``inspect.signature``,
-``dataclasses.fields`` or the source of the method, parsed with ``ast``. Where
-the plugin's own code decides what is relied on (keyword names, attributes
-read, fields written), the test parses the plugin's module too, so it follows
-the code. Every test runs on CPU and GPU hosts alike.
-"""
+"""vLLM 0.33.0 internals that vllm-pcp's subclasses read, write and call behind the seams of
+``tests/test_vllm_seams.py`` (the I rows of ``vllm_pcp/patches/README.md``): MRV2's step, the
+FlashInfer builder and impl, the attention layer, FlashInfer's wrappers, the DCP layout,
+process groups, MoE, CUDA graph modes. Each test asserts on vLLM's own objects, built on the
+CPU where vLLM allows it, else on signatures or the source read with ``ast``; where the
+plugin's code decides what is relied on, it parses the plugin's module too."""
 from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
+import importlib
 import inspect
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from vllm_fixtures import (DECODE, WRAPPERS, bind, calls, cls, eager,  # noqa: F401
+                           flashinfer_method, func, global_batch, group, kept, make_builder,
+                           make_config, manager_kwargs, methods, param_loads, params,
+                           run_statements, self_loads, self_stores, settings, tree)
 
-# -- source helpers -----------------------------------------------------------------------
-
-def _tree(module: str) -> ast.Module:
-    """The AST of ``module``'s file, read without importing it."""
-    with open(importlib.util.find_spec(module).origin) as f:
-        return ast.parse(f.read())
-
-
-def _class(tree: ast.AST, name: str) -> ast.ClassDef:
-    return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+RUNNER = "vllm.v1.worker.gpu.model_runner"
+MANAGER = "vllm.v1.worker.gpu.pcp_manager"
 
 
-def _func(node: ast.AST, name: str) -> ast.FunctionDef:
-    body = node.body if isinstance(node, (ast.ClassDef, ast.Module)) else []
-    return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+def _line(node: ast.AST, dotted: str) -> int:
+    [call] = calls(node, dotted)
+    return call.lineno
 
 
-def _calls(node: ast.AST, dotted: str) -> list[ast.Call]:
-    """Calls in ``node`` whose callee reads ``dotted`` (e.g. ``self._model_forward``)."""
-    return [n for n in ast.walk(node)
-            if isinstance(n, ast.Call) and ast.unparse(n.func) == dotted]
+# -- MRV2's step: the runner and the PCP manager ------------------------------------------
 
+def test_execute_model_runs_the_managers_seams_in_order():
+    """README I1. One step: the dispatch size (``get_num_tokens_for_dispatch``), the local
+    batch (``partition_batch``, last in ``prepare_inputs``), the manager's ``prepare_attn``,
+    the model state's, the forward; ``restore_for_sampling`` before ``sample``. vLLM's
+    calls bind to the plugin's overrides."""
+    from vllm_pcp.manager import GQAPCPManager
 
-def _self_stores(node: ast.AST, name: str = "self") -> set[str]:
-    """Attributes ``name.X`` assigned (plain or annotated) anywhere in ``node``."""
-    out = set()
-    for n in ast.walk(node):
-        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and \
-                isinstance(n.value, ast.Name) and n.value.id == name:
-            out.add(n.attr)
-    return out
-
-
-def _self_loads(node: ast.AST, name: str = "self") -> set[str]:
-    return {n.attr for n in ast.walk(node)
-            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
-            and isinstance(n.value, ast.Name) and n.value.id == name}
-
-
-def _param_loads(tree: ast.Module, param: str) -> set[str]:
-    """``param.X`` read by the module-level functions that take ``param``."""
-    out = set()
-    for fn in tree.body:
-        if isinstance(fn, ast.FunctionDef) and param in {a.arg for a in fn.args.args}:
-            out |= _self_loads(fn, param)
-    return out
-
-
-def _methods(cls: ast.ClassDef) -> set[str]:
-    return {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
-
-
-def _bind(fn, call: ast.Call, bound_self: bool = False) -> None:
-    """Bind ``call``'s argument shape (positional count, keyword names) to ``fn``'s
-    signature; raises TypeError if ``fn`` no longer takes them."""
-    assert not any(isinstance(a, ast.Starred) for a in call.args), ast.unparse(call)
-    assert all(k.arg is not None for k in call.keywords), ast.unparse(call)
-    args = [None] * (len(call.args) + bound_self)
-    inspect.signature(fn).bind(*args, **{k.arg: None for k in call.keywords})
-
-
-# -- fixtures: real vLLM objects on the CPU -----------------------------------------------
-
-@pytest.fixture
-def make_config(tmp_path, monkeypatch):
-    """``make(**parallel)``: vLLM's own VllmConfig of a tiny GQA model (8 query heads,
-    2 KV heads, head size 8 x 8), Triton shown as present, as on a GPU host."""
-    from vllm.config import AttentionConfig
-
-    from helpers import real_vllm_config
-
-    def make(**parallel):
-        return real_vllm_config(tmp_path, monkeypatch, parallel,
-                                hf=dict(hidden_size=512, num_hidden_layers=1),
-                                attention_config=AttentionConfig(backend="FLASHINFER"))
-
-    return make
-
-
-@pytest.fixture
-def unpinned(monkeypatch):
-    """vLLM's buffers without pinned host memory (a CPU host has no driver to pin
-    with; vLLM reads PIN_MEMORY at import and as a default argument)."""
-    from vllm.v1.utils import CpuGpuBuffer
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("vllm") and getattr(module, "PIN_MEMORY", None) is True:
-            monkeypatch.setattr(module, "PIN_MEMORY", False)
-    monkeypatch.setitem(CpuGpuBuffer.__init__.__kwdefaults__, "pin_memory", False)
-
-
-@pytest.fixture
-def real_runner(make_config, unpinned, monkeypatch):
-    """vLLM's own ``GPUModelRunner`` built on the CPU (no streams, no SM count)."""
-    import vllm.v1.worker.gpu_model_runner as gmr
-    from vllm.config import set_current_vllm_config
-
-    class _NoStream:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def __getattr__(self, name):
-            return lambda *args, **kwargs: None
-
-    monkeypatch.setattr(torch.cuda, "Stream", _NoStream)
-    monkeypatch.setattr(torch.cuda, "Event", _NoStream)
-    monkeypatch.setattr(gmr, "num_compute_units", lambda *args: 132)
-    config = make_config(prefill_context_parallel_size=2)
-    with set_current_vllm_config(config):
-        return gmr.GPUModelRunner(config, torch.device("cpu"))
-
-
-@pytest.fixture
-def make_builder(make_config, monkeypatch):
-    """``make(cls, sliding_window=None, **parallel)``: a real FlashInfer metadata
-    builder (and its layer's impl) of one layer, on the CPU, off SM90."""
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from helpers import attention_layer, flashinfer_on_cpu
-    from vllm_pcp.backend import PCPFlashInferImpl
-
-    flashinfer_on_cpu(monkeypatch)
-
-    def make(cls, sliding_window=None, **parallel):
-        config = make_config(**parallel)
-        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                 dtype=torch.bfloat16)
-        with set_current_vllm_config(config):
-            impl = PCPFlashInferImpl(8, 64, 0.125, 2, None, sliding_window, "auto")
-            config.compilation_config.static_forward_context["layers.0.attn"] = \
-                attention_layer(impl)
-            builder = cls(spec, ["layers.0.attn"], config, torch.device("cpu"))
-        return builder, impl, config
-
-    return make
-
-
-# -- the model runner ---------------------------------------------------------------------
-
-def _runner_kwargs_read() -> tuple[set[str], set[str]]:
-    """Keyword arguments PCPModelRunner._build_attention_metadata takes from vLLM's call:
-    ``(read, required)``, ``required`` those it indexes (``kwargs["x"]``)."""
-    fn = _func(_class(_tree("vllm_pcp.runner"), "PCPModelRunner"), "_build_attention_metadata")
-    explicit = {a.arg for a in fn.args.args[1:] + fn.args.kwonlyargs}
-    kw = fn.args.kwarg.arg if fn.args.kwarg else None
-    read, required = set(explicit), set()
-    for n in ast.walk(fn):
-        if kw and isinstance(n, ast.Call) and ast.unparse(n.func) == f"{kw}.get" and \
-                isinstance(n.args[0], ast.Constant):
-            read.add(n.args[0].value)
-        if kw and isinstance(n, ast.Subscript) and ast.unparse(n.value) == kw and \
-                isinstance(n.slice, ast.Constant):
-            read.add(n.slice.value)
-            required.add(n.slice.value)
-    assert read, "found no keyword read by PCPModelRunner._build_attention_metadata"
-    return read, required
-
-
-def test_build_attention_metadata_takes_every_kwarg_the_runner_reads():
-    """README: GPUModelRunner._build_attention_metadata keyword arguments."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    read, _ = _runner_kwargs_read()
-    params = inspect.signature(GPUModelRunner._build_attention_metadata).parameters
-    assert read <= set(params), read - set(params)
-    for name in read:
-        assert params[name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-
-
-def test_vllm_passes_those_arguments_by_keyword_at_every_call():
-    """The override reads ``kwargs``: vLLM must pass them by name. Every call in
-    gpu_model_runner.py passes no positional argument, and every argument the
-    override indexes (``kwargs["x"]``) is passed at every call."""
-    read, required = _runner_kwargs_read()
-    calls = _calls(_tree("vllm.v1.worker.gpu_model_runner"), "self._build_attention_metadata")
-    assert len(calls) >= 2  # execute_model and _dummy_run
-    passed = set()
-    for call in calls:
-        assert not call.args, ast.unparse(call)
-        names = {k.arg for k in call.keywords}
-        assert required <= names, (required - names, ast.unparse(call))
-        passed |= names
-    assert read <= passed, read - passed
-
-
-def test_execute_model_runs_the_seams_in_order():
-    """README: the V1 step order. ``_prepare_inputs`` plans, ``_build_attention_metadata``
-    consumes the plan, and ``_model_forward`` runs inside ``set_forward_context`` (whose
-    fields the runner then rewrites), passed vLLM's per-layer slot mapping."""
-    fn = _func(_class(_tree("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner"),
-               "execute_model")
-    [prepare] = _calls(fn, "self._prepare_inputs")
-    [build] = _calls(fn, "self._build_attention_metadata")
-    [forward] = _calls(fn, "self._model_forward")
-    assert prepare.lineno < build.lineno < forward.lineno
-    assert {k.arg for k in forward.keywords} >= {"input_ids", "positions",
-                                                 "intermediate_tensors", "inputs_embeds"}
-    withs = [w for w in ast.walk(fn) if isinstance(w, ast.With)
-             and forward in ast.walk(w)
-             and any(ast.unparse(i.context_expr.func) == "set_forward_context"
-                     for i in w.items if isinstance(i.context_expr, ast.Call))]
-    assert withs, "_model_forward no longer runs inside set_forward_context"
-    ctx = next(i.context_expr for i in withs[0].items
-               if isinstance(i.context_expr, ast.Call)
-               and ast.unparse(i.context_expr.func) == "set_forward_context")
-    assert {"cudagraph_runtime_mode", "batch_descriptor", "slot_mapping"} <= \
-        {k.arg for k in ctx.keywords}
-
-
-def test_dummy_run_fills_optimistic_seq_lens_before_building_metadata():
-    """README: optimistic_seq_lens_cpu. The DCP graph capture (no _prepare_inputs) plans
-    vLLM's dummy decode batch from ``optimistic_seq_lens_cpu[:num_reqs]``: ``_dummy_run``
-    must write it before it builds the capture's metadata."""
-    runner = _class(_tree("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner")
-    fn = _func(runner, "_dummy_run")
-    writes = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Assign)
-              and any(isinstance(t, ast.Subscript)
-                      and ast.unparse(t.value) == "self.optimistic_seq_lens_cpu"
-                      for t in n.targets)]
-    builds = [c for c in _calls(fn, "self._build_attention_metadata")
-              if "for_cudagraph_capture" in {k.arg for k in c.keywords}]
-    assert writes and builds and min(writes) < min(c.lineno for c in builds)
+    runner = cls(tree(RUNNER), "GPUModelRunner")
+    step = func(runner, "execute_model")
+    [dispatch] = calls(step, "self.pcp_manager.get_num_tokens_for_dispatch")
+    assert [ast.unparse(a) for a in dispatch.args] == [
+        "batch_req_state.num_scheduled_tokens", "batch_req_state.is_prefilling_np"]
+    bind(GQAPCPManager.get_num_tokens_for_dispatch, dispatch, bound_self=True)
+    order = [dispatch.lineno, _line(step, "dispatch_cg_and_sync_dp"),
+             _line(step, "self.prepare_inputs"), _line(step, "self.prepare_attn"),
+             _line(step, "self.model_state.prepare_attn"), _line(step, "set_forward_context")]
+    assert order == sorted(order)
+    prepare = func(runner, "prepare_inputs")
+    [partition] = calls(prepare, "self.pcp_manager.partition_batch")
+    bind(GQAPCPManager.partition_batch, partition, bound_self=True)
+    assert ast.unparse(prepare.body[-1]) == "return input_batch"
+    assert ast.unparse(prepare.body[-2]) == "if self.pcp_manager is not None:\n    " \
+        "input_batch = self.pcp_manager.partition_batch(input_batch, batch_desc)"
+    assert "return self.pcp_manager.prepare_attn(input_batch)" in \
+        ast.unparse(func(runner, "prepare_attn"))
+    sample = func(runner, "sample_tokens")
+    [restore] = calls(sample, "self.pcp_manager.restore_for_sampling")
+    assert [ast.unparse(a) for a in restore.args] == ["hidden_states", "aux_hidden_states"]
+    assert restore.lineno < _line(sample, "self.sample")
 
 
 def test_sample_runs_once_a_step_before_the_ids_are_fed_back():
-    """README: GPUModelRunner._sample. The check mode (vllm_pcp.pcp.agreement) compares
-    the sampled ids in the ``_sample`` override: vLLM calls it exactly once, in
-    ``sample_tokens`` (so every rank reaches the all-gather every step), before the ids
-    reach the persistent batch (``_update_states_after_model_execute``, async
-    scheduling's feedback) and the output (``_bookkeeping_sync``); it returns a
-    ``SamplerOutput`` whose ``sampled_token_ids`` is ``[num_reqs, k]``."""
-    from vllm.v1.outputs import SamplerOutput
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    """README I2. ``sample(hidden_states, input_batch, grammar_output)`` is called once a
+    step, by ``sample_tokens``, on the restored global batch (the same on every PCP rank),
+    and returns ``(SamplerOutput, num_sampled, num_rejected)`` whose first item's
+    ``sampled_token_ids`` reach the request states (``postprocess_sampled``) after it."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
-    assert list(inspect.signature(GPUModelRunner._sample).parameters) == [
-        "self", "logits", "spec_decode_metadata"]
-    runner = _class(_tree("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner")
-    assert len(_calls(runner, "self._sample")) == 1
-    fn = _func(runner, "sample_tokens")
-    [sample] = _calls(fn, "self._sample")
-    [update] = _calls(fn, "self._update_states_after_model_execute")
-    [bookkeeping] = _calls(fn, "self._bookkeeping_sync")
-    assert sample.lineno < update.lineno < bookkeeping.lineno
-    assert ast.unparse(update.args[0]) == "sampler_output.sampled_token_ids"
+    assert params(GPUModelRunner.sample) == ["self", "hidden_states", "input_batch",
+                                             "grammar_output"]
+    runner = cls(tree(RUNNER), "GPUModelRunner")
+    assert ast.unparse(func(runner, "sample").returns) == \
+        "tuple[SamplerOutput, torch.Tensor, torch.Tensor]"
+    assert len(calls(runner, "self.sample")) == 1
+    sample = func(runner, "sample_tokens")
+    [call] = calls(sample, "self.sample")
+    [assign] = [n for n in ast.walk(sample) if isinstance(n, ast.Assign) and n.value is call]
+    assert ast.unparse(assign.targets[0]) == "(sampler_output, num_sampled, num_rejected)"
+    [feedback] = calls(sample, "self.postprocess_sampled")
+    assert ast.unparse(feedback.args[1]) == "sampler_output.sampled_token_ids"
+    assert call.lineno < feedback.lineno
     assert "sampled_token_ids" in {f.name for f in dataclasses.fields(SamplerOutput)}
-    plugin = _func(_class(_tree("vllm_pcp.runner"), "PCPModelRunner"), "_sample")
-    assert [a.arg for a in plugin.args.args] == ["self", "logits", "spec_decode_metadata"]
 
 
-def test_real_runner_has_the_state_the_subclass_reads(real_runner):
-    """README: GPUModelRunner state. Every ``self.X`` PCPModelRunner reads and does not
-    define itself is on vLLM's runner after ``__init__``, or assigned by one of vLLM's
-    methods (``kv_cache_config``: ``initialize_kv_cache``). The types the runner uses."""
-    from vllm.v1.worker.gpu_input_batch import InputBatch
+def test_vllm_sizes_the_kv_cache_from_the_profile_runs_torch_peak():
+    """README I3. ``determine_available_memory`` runs ``profile_run`` inside
+    ``memory_profiling``, which resets the torch peak right before it measures and reads
+    ``allocated_bytes.all.peak`` after: memory held through the run counts against the KV
+    cache (a second reset at the run's start changes nothing in that count)."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    plugin = _class(_tree("vllm_pcp.runner"), "PCPModelRunner")
-    own = _self_stores(plugin) | _methods(plugin)
-    vllm_cls = _class(_tree("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner")
-    assigned_later = _self_stores(vllm_cls) | _methods(vllm_cls)
-    missing = {name for name in _self_loads(plugin) - own
-               if not hasattr(real_runner, name) and name not in assigned_later}
-    assert not missing, missing
-    assert "kv_cache_config" in _self_stores(_func(vllm_cls, "initialize_kv_cache"))
-
-    r = real_runner
-    lens = r.optimistic_seq_lens_cpu
-    assert isinstance(lens, torch.Tensor) and lens.device.type == "cpu"
-    assert lens.dtype == torch.int32 and lens.shape == (r.max_num_reqs,)
-    assert isinstance(lens[:2].numpy(), np.ndarray)
-    # set by calculate_reorder_batch_threshold once the attention groups exist
-    assert r.reorder_batch_threshold is None
-    assert "reorder_batch_threshold" in _self_stores(
-        _func(vllm_cls, "calculate_reorder_batch_threshold"))
-    assert type(r.positions) is torch.Tensor and r.positions.dtype == torch.int64
-    assert r.positions.shape[0] >= r.max_num_tokens
-    assert isinstance(r.input_batch, InputBatch) and r.attn_groups == []
-    assert r.num_query_heads == 8
-    assert r.model_config.get_num_kv_heads(r.parallel_config) == 2
+    fn = func(cls(tree("vllm.v1.worker.gpu_worker"), "Worker"), "determine_available_memory")
+    profiling = next(n for n in ast.walk(fn) if isinstance(n, ast.With)
+                     and "memory_profiling" in ast.unparse(n.items[0].context_expr))
+    [run] = calls(profiling, "self.model_runner.profile_run")
+    bind(GPUModelRunner.profile_run, run, bound_self=True)
+    assert params(GPUModelRunner.profile_run) == ["self", "randomize_inputs"]
+    body = ast.unparse(func(tree("vllm.utils.mem_utils"), "memory_profiling"))
+    reset, measure = body.index("reset_peak_memory_stats"), body.index("before_profile.measure")
+    assert reset < measure < body.index("yield result") < body.index("after_profile.measure")
+    measure_fn = func(cls(tree("vllm.utils.mem_utils"), "MemorySnapshot"), "measure")
+    assert "self.torch_peak = stats.get('allocated_bytes.all.peak', 0)" in ast.unparse(measure_fn)
 
 
-def test_input_batch_and_block_table_accessors(real_runner):
-    """README: InputBatch fields, block-table accessors (vLLM's real InputBatch)."""
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
-
-    batch = real_runner.input_batch
-    assert batch.num_reqs == 0
-    for array in (batch.num_computed_tokens_cpu, batch.num_prompt_tokens):
-        assert isinstance(array, np.ndarray) and array.shape == (batch.max_num_reqs,)
-    table = batch.block_table[0]
-    device_rows = table.get_device_tensor(3)
-    assert isinstance(device_rows, torch.Tensor) and device_rows.dtype == torch.int32
-    assert device_rows.shape[0] == 3
-    host = table.get_numpy_array()
-    assert isinstance(host, np.ndarray) and host.shape == (batch.max_num_reqs,
-                                                           device_rows.shape[1])
-    host[0, 0] = 7  # the host array is the table vLLM copies to the device
-    assert table.block_table.cpu[0, 0] == 7
-    assert isinstance(table.block_size, int)
-    assert {"kv_cache_groups"} <= {f.name for f in dataclasses.fields(KVCacheConfig)}
-    assert {"layer_names", "kv_cache_spec"} <= \
-        {f.name for f in dataclasses.fields(KVCacheGroupSpec)}
+def test_runner_and_worker_read_state_vllms_runner_sets():
+    """README I4. Every ``self.X`` PCPModelRunner reads and does not set is assigned by
+    MRV2's runner (``dcp_size`` in ``__init__``, ``model_state`` in ``load_model``), and so
+    is the ``pcp_manager`` the worker's RPCs read."""
+    vllm_runner = cls(tree(RUNNER), "GPUModelRunner")
+    plugin = cls(tree("vllm_pcp.runner"), "PCPModelRunner")
+    read = self_loads(plugin) - self_stores(plugin) - methods(plugin)
+    read |= {n.attr for n in ast.walk(tree("vllm_pcp.worker")) if isinstance(n, ast.Attribute)
+             and ast.unparse(n.value) == "self.model_runner"} - self_stores(plugin)
+    assert read - (self_stores(vllm_runner) | methods(vllm_runner)) == set()
+    init = func(vllm_runner, "__init__")
+    assert {"dcp_size", "pcp_manager", "vllm_config", "device", "encoder_cache"} <= \
+        self_stores(init)
+    assert "self.dcp_size = self.parallel_config.decode_context_parallel_size" in \
+        ast.unparse(init)
+    assert {"model", "model_state"} <= self_stores(func(vllm_runner, "load_model"))
 
 
-def test_attention_groups_hand_out_their_builder():
-    """README: attn_groups. ``attn_group.layer_names`` and ``get_metadata_builder(0)``."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm.v1.worker.utils import AttentionGroup
+def test_partition_batch_lays_out_the_batch_the_override_returns(monkeypatch):
+    """README I5. vLLM's ``partition_batch`` calls ``_build_batch_layout(num_scheduled,
+    num_computed, is_prefilling, query_start_loc_np, padded_num_tokens=...)`` once, builds
+    the local batch from this rank's segments and takes this rank's rows of
+    ``_padded_gather_idx`` as ``_local_gather_idx`` (real GQAPCPManager, CPU)."""
+    from vllm_pcp.manager import GQAPCPManager, PCPStepBatchMetadata
 
-    from vllm_pcp.backend import PCPFlashInferBackend
+    seen = []
 
-    group = AttentionGroup(PCPFlashInferBackend, ["l0", "l1"],
-                           FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                             dtype=torch.bfloat16), 0)
-    builder = object()
-    group.metadata_builders = [builder]
-    assert group.layer_names == ["l0", "l1"] and group.get_metadata_builder(0) is builder
-    assert list(inspect.signature(AttentionGroup.get_metadata_builder).parameters) == [
-        "self", "ubatch_id"]
+    class Spy(GQAPCPManager):
+        def _build_batch_layout(self, *args, **kwargs):
+            out = super()._build_batch_layout(*args, **kwargs)
+            seen.append((args, kwargs, out))
+            return out
 
-
-@pytest.mark.parametrize("world,interleave,block_size", [
-    (1, 1, 16), (2, 1, 16), (2, 8, 16), (2, 16, 16), (4, 4, 16), (3, 2, 32)])
-def test_dcp_slot_mapping_is_the_layout_the_plugin_assumes(world, interleave, block_size):
-    """README: vLLM's DCP slot mapping. The arithmetic of vLLM's Triton kernel
-    (``_compute_slot_mapping_kernel``), evaluated on the CPU, places token p on rank
-    ``dcp_owner`` at local offset o = ``dcp_local_offset`` (vllm_pcp.dcp.layout), slot
-    ``block_table[o // block_size] * block_size + o % block_size``, and gives every
-    other rank slot -1; ``compute_slot_mapping`` runs it over the DCP group with
-    ``cp_kv_cache_interleave_size``."""
-    from vllm.v1.worker.block_table import PAD_SLOT_ID
-
-    from vllm_pcp.dcp.layout import dcp_local_offset, dcp_owner
-
-    tree = _tree("vllm.v1.worker.block_table")
-    kernel = _func(tree, "_compute_slot_mapping_kernel")
-    wanted = ("virtual_block_size", "virtual_block_indices", "virtual_block_offsets",
-              "is_local", "local_block_offsets", "block_indices", "slot_offsets")
-    stmts = {n.targets[0].id: n for n in ast.walk(kernel) if isinstance(n, ast.Assign)
-             and isinstance(n.targets[0], ast.Name) and n.targets[0].id in wanted}
-    assert set(stmts) == set(wanted), set(wanted) - set(stmts)
-    slot_stmts = [n for n in ast.walk(kernel) if isinstance(n, ast.Assign)
-                  and ast.unparse(n.targets[0]) == "slot_ids"]
-    assert [ast.unparse(n.value) for n in slot_stmts][-1] == \
-        "tl.where(is_local, slot_ids, PAD_ID)"
-    pos = np.arange(5 * block_size * world, dtype=np.int64)
-    table = np.arange(100, 110, dtype=np.int64)  # one request's block-table row
-
-    def run(stmts, env):
-        for stmt in stmts:
-            exec(compile(ast.Module([stmt], []), "<kernel>", "exec"), {}, env)
-
-    for rank in range(world):
-        env = dict(pos=pos, KV_CACHE_BLOCK_SIZE=block_size, TOTAL_CP_WORLD_SIZE=world,
-                   TOTAL_CP_RANK=rank, CP_KV_CACHE_INTERLEAVE_SIZE=interleave,
-                   BLOCKS_PER_KV_BLOCK=1, block_size=block_size, PAD_ID=PAD_SLOT_ID,
-                   tl=SimpleNamespace(where=np.where))
-        run([stmts[name] for name in wanted if name != "slot_offsets"], env)
-        env["block_numbers"] = table[np.where(env["is_local"], env["block_indices"], 0)]
-        run([stmts["slot_offsets"]] + slot_stmts, env)
-        owner = dcp_owner(torch.from_numpy(pos), world, interleave).numpy()
-        local = dcp_local_offset(torch.from_numpy(pos), world, interleave).numpy()
-        mine = owner == rank
-        assert np.array_equal(env["is_local"], mine)
-        assert np.array_equal(env["block_indices"][mine], local[mine] // block_size)
-        assert np.array_equal(env["slot_offsets"][mine], local[mine] % block_size)
-        # this rank's tokens at block_table[o // block_size], slot o % block_size; -1 else
-        expect = np.where(mine, table[local // block_size] * block_size + local % block_size,
-                          -1)
-        assert np.array_equal(env["slot_ids"], expect)
-    [launch] = [c for c in ast.walk(_func(_class(tree, "BlockTable"), "compute_slot_mapping"))
-                if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript)]
-    kw = {k.arg: ast.unparse(k.value) for k in launch.keywords}
-    assert kw["TOTAL_CP_WORLD_SIZE"] == "self.dcp_world_size"
-    assert kw["TOTAL_CP_RANK"] == "self.dcp_rank"
-    assert kw["CP_KV_CACHE_INTERLEAVE_SIZE"] == "self.cp_kv_cache_interleave_size"
-    assert kw["PAD_ID"] == "PAD_SLOT_ID" and PAD_SLOT_ID == -1
+    batch = global_batch([0, 7, 0], [1, 1, 50])
+    for desc in (eager(), eager(64)):
+        seen.clear()
+        manager = Spy(**manager_kwargs(2, 1), settings=settings(2))
+        local = manager.partition_batch(batch, desc)
+        [(args, kwargs, (segments, per_rank))] = seen
+        assert args[0] is batch.num_scheduled_tokens and args[1] is batch.num_computed_tokens_np
+        assert args[2] is batch.is_prefilling_np and args[3] is batch.query_start_loc_np
+        assert kwargs == {"padded_num_tokens": desc.num_tokens or None}
+        rows = local.num_tokens_after_padding
+        assert rows == (desc.num_tokens or max(per_rank))
+        gather = manager._local_gather_idx
+        assert gather.data_ptr() == manager._padded_gather_idx[rows:].data_ptr()
+        assert len(gather) == rows
+        n = local.num_tokens
+        assert torch.equal(local.input_ids[:n], batch.input_ids[gather][:n])
+        assert torch.equal(local.positions[:n], batch.positions[gather][:n])
+        for seg in segments[1]:  # vLLM's rows (segments) are the tokens gathered
+            assert torch.equal(local.positions[seg.rank_local_batch_slice],
+                               batch.positions[seg.global_batch_slice])
+        assert isinstance(local.pcp, PCPStepBatchMetadata)
+        assert local.pcp.global_num_tokens == batch.num_tokens
 
 
-@pytest.mark.parametrize("world,interleave", [(1, 1), (2, 1), (2, 8), (4, 4), (3, 16)])
-def test_dcp_local_seq_lens_counts_the_tokens_a_rank_stores(world, interleave):
-    """README: vLLM's DCP slot mapping (get_dcp_local_seq_lens). vllm_pcp.dcp.layout's call
-    binds to vLLM's helper, which counts, for every rank, the first L tokens the slot
-    mapping above gives it."""
-    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+def test_manager_state_the_subclass_shares_with_vllm():
+    """README I6. What GQAPCPManager reads or writes on ``self`` and does not own is vLLM's:
+    it sets ``_padded_gather_idx``, ``_gathered_kv_write_mask`` and ``_hidden_restore_idx``,
+    which vLLM's methods read; it reads ``_local_gather_idx``, ``_gathered_kv_slot_mappings``
+    and ``_pad_slot_id``, which vLLM sets."""
+    from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
-    from vllm_pcp.dcp.layout import dcp_owner
-
-    calls = _calls(_tree("vllm_pcp.dcp.layout"), "get_dcp_local_seq_lens")
-    assert calls, "vllm_pcp/dcp/layout.py no longer calls get_dcp_local_seq_lens"
-    for call in calls:
-        _bind(get_dcp_local_seq_lens, call)
-    assert list(inspect.signature(get_dcp_local_seq_lens).parameters) == [
-        "seq_lens", "dcp_size", "dcp_rank", "cp_kv_cache_interleave_size"]
-    lens = torch.arange(0, 4 * world * interleave + 3)
-    owner = dcp_owner(torch.arange(int(lens.max())), world, interleave)
-    for rank in range(world):
-        expect = torch.tensor([int((owner[:n] == rank).sum()) for n in lens.tolist()])
-        got = get_dcp_local_seq_lens(lens, world, rank, interleave)
-        assert torch.equal(got.to(torch.int64), expect)
-
-
-def test_allocate_slots_caches_the_blocks_it_allocates():
-    """README: prefix caching at allocation (vllm_pcp.dcp.prefix). ``allocate_slots``
-    caches blocks up to the tokens the step will compute, so another request of the
-    same step can hit them before they are written."""
-    fn = _func(_class(_tree("vllm.v1.core.kv_cache_manager"), "KVCacheManager"),
-               "allocate_slots")
-    [cache] = _calls(fn, "self.coordinator.cache_blocks")
-    assert [ast.unparse(a) for a in cache.args] == ["request", "num_tokens_to_cache"]
-    assert "total_computed_tokens + num_new_tokens" in ast.unparse(fn)
+    vllm_cls, plugin = cls(tree(MANAGER), "PCPManager"), cls(tree("vllm_pcp.manager"),
+                                                             "GQAPCPManager")
+    own = self_stores(func(plugin, "__init__")) | methods(plugin)
+    touched = (self_loads(plugin) | self_stores(plugin)) - own
+    assert touched - (self_stores(vllm_cls) | methods(vllm_cls)) == set()
+    written = self_stores(plugin) - own
+    assert written == {"_padded_gather_idx", "_gathered_kv_write_mask", "_hidden_restore_idx"}
+    readers = {"partition_batch", "_convert_to_gathered_slot_mappings", "restore_hidden_states"}
+    assert written <= set().union(*(self_loads(func(vllm_cls, m)) for m in readers))
+    assert {"_local_gather_idx", "_gathered_kv_slot_mappings", "_pad_slot_id"} <= touched
+    manager = PCPManager(**manager_kwargs(2, 0))
+    assert manager._pad_slot_id.dtype == torch.int64 and int(manager._pad_slot_id) == PAD_SLOT_ID
+    assert manager._gathered_kv_slot_mappings.shape == (1, 2 * manager.input_buffers.max_num_tokens)
+    assert manager._local_gather_idx is None and manager._hidden_restore_idx is None
 
 
-# -- the worker ---------------------------------------------------------------------------
+def test_vllm_writes_the_gathered_slot_mapping_and_restores_as_the_override_expects(monkeypatch):
+    """README I7. ``prepare_attn`` -> ``prepare_slot_mappings`` -> vLLM's
+    ``_convert_to_gathered_slot_mappings``, which picks ``_padded_gather_idx`` into
+    ``_gathered_kv_slot_mappings`` and pads what ``_gathered_kv_write_mask`` leaves out;
+    dummy runs take ``get_dummy_slot_mappings(num_tokens)``; ``restore_hidden_states``
+    returns its input when ``_hidden_restore_idx`` is None, else the all-gather's rows."""
+    import vllm.v1.worker.gpu.pcp_manager as pcp_manager
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
-def test_worker_init_device_builds_the_runner_the_plugin_swaps():
-    """README: Worker.init_device / model_runner. vLLM's init_device ends by building
-    the V1 runner as ``self.model_runner`` from ``(self.vllm_config, self.device)`` and
-    touches it no more; ``use_v2_model_runner`` is set in ``__init__``."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.gpu_worker import Worker
-
-    cls = _class(_tree("vllm.v1.worker.gpu_worker"), "Worker")
-    init = ast.unparse(_func(cls, "__init__"))
-    assert "self.use_v2_model_runner = vllm_config.use_v2_model_runner" in init
-    fn = _func(cls, "init_device")
-    assert "device" in _self_stores(fn)
-    [v1] = [n for n in ast.walk(fn) if isinstance(n, ast.Assign)
-            and ast.unparse(n) == "self.model_runner = GPUModelRunnerV1(self.vllm_config, "
-                                  "self.device)"]
-    assert "from vllm.v1.worker.gpu_model_runner import GPUModelRunner as " \
-           "GPUModelRunnerV1" in ast.unparse(fn)
-    later = [s for s in fn.body if s.lineno > v1.lineno]
-    assert not any("model_runner" in ast.unparse(s) for s in later)
-    assert list(inspect.signature(Worker.init_device).parameters) == ["self"]
-    assert list(inspect.signature(GPUModelRunner.__init__).parameters) == [
-        "self", "vllm_config", "device"]
-
-
-# -- the attention backend ----------------------------------------------------------------
-
-def test_flashinfer_override_is_what_vllm_selects():
-    """README: register_backend(FLASHINFER). After ``register()`` the enum resolves to the
-    plugin's class; its ``validate_configuration`` (which the CUDA platform runs on the
-    class ``get_class()`` returns) accepts PCP, which stock FlashInfer refuses."""
-    from vllm.platforms.interface import DeviceCapability
-    from vllm.v1.attention.backends.flashinfer import FlashInferBackend, FlashInferImpl
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-    from vllm.v1.attention.selector import AttentionSelectorConfig
-
-    import vllm_pcp
-    from vllm_pcp.backend import PCPFlashInferBackend
-
-    vllm_pcp.register()
-    assert list(inspect.signature(register_backend).parameters) == [
-        "backend", "class_path", "is_mamba"]
-    flashinfer = AttentionBackendEnum.FLASHINFER
-    assert flashinfer.is_overridden()
-    assert flashinfer.get_path() == "vllm_pcp.backend.PCPFlashInferBackend"
-    assert flashinfer.get_class() is PCPFlashInferBackend
-    assert PCPFlashInferBackend.full_cls_name() == ("vllm_pcp.backend", "PCPFlashInferBackend")
-    selector = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16,
-                                       kv_cache_dtype="auto", block_size=16, use_pcp=True)
-    args = dict(selector._asdict(), device_capability=DeviceCapability(9, 0))
-    assert "PCP not supported" in FlashInferBackend.validate_configuration(**args)
-    assert flashinfer.get_class().validate_configuration(**args) == []
-    # the CUDA platform resolves every backend through get_class()
-    cuda = _tree("vllm.platforms.cuda")
-    assert ast.unparse(_func(cuda, "_get_attn_backend_class")).endswith(
-        "return backend.get_class()")
-    platform = _class(cuda, "CudaPlatformBase")
-    for method in ("get_valid_backends", "get_attn_backend_cls"):
-        assert _calls(_func(platform, method), "_get_attn_backend_class"), method
-    assert "use_pcp=vllm_config.parallel_config.prefill_context_parallel_size > 1" in \
-        ast.unparse(_tree("vllm.v1.attention.selector"))
-    # DCP's start-up check reads the impl's LSE flag: FlashInfer's stays on
-    assert FlashInferImpl.can_return_lse_for_decode is True
-    cp_check = ast.unparse(_func(_tree("vllm.v1.worker.cp_utils"),
-                                 "check_attention_cp_compatibility"))
-    assert "backend.supports_pcp()" in cp_check
-    assert "layer_impl.need_to_return_lse_for_decode" in cp_check
+    vllm_cls = cls(tree(MANAGER), "PCPManager")
+    assert calls(func(vllm_cls, "prepare_attn"), "self.prepare_slot_mappings")
+    prepare = func(vllm_cls, "prepare_slot_mappings")
+    assert ast.unparse(prepare.body[-1]) == \
+        "return self._convert_to_gathered_slot_mappings(global_batch_slot_mappings)"
+    dummy_attn = func(cls(tree(RUNNER), "GPUModelRunner"), "prepare_dummy_attn")
+    assert "block_table_provider = self.pcp_manager or self.block_tables" in ast.unparse(dummy_attn)
+    assert calls(dummy_attn, "block_table_provider.get_dummy_slot_mappings")
+    manager = PCPManager(**manager_kwargs(2, 1))
+    manager._padded_gather_idx = torch.tensor([0, 1, 4, 0, 2, 3, 4, 0])
+    manager._gathered_kv_write_mask = torch.tensor([1, 1, 1, 0, 1, 1, 0, 0], dtype=torch.bool)
+    slots = 100 + torch.arange(5).unsqueeze(0)
+    out = manager._convert_to_gathered_slot_mappings(slots)
+    assert out.tolist() == [[100, 101, 104, -1, 102, 103, -1, -1]]
+    assert out.data_ptr() == manager._gathered_kv_slot_mappings.data_ptr()
+    dummy = manager.get_dummy_slot_mappings(3)
+    assert dummy.shape == (1, 6) and (dummy == -1).all()
+    assert dummy.data_ptr() == manager._gathered_kv_slot_mappings.data_ptr()
+    hidden = torch.arange(8.0).view(4, 2)
+    assert manager.restore_hidden_states(hidden) is hidden
+    monkeypatch.setattr(pcp_manager, "get_pcp_group", lambda: group(2, all_gather=lambda x, dim:
+                                                                    torch.cat([x, x + 100])))
+    manager._hidden_restore_idx = torch.tensor([4, 0])
+    manager._global_batch = "global"
+    restored, aux, batch = manager.restore_for_sampling(hidden, None)
+    assert restored.tolist() == [[100.0, 101.0], [0.0, 1.0]] and aux is None and batch == "global"
 
 
-def test_grow_row_buffers_replaces_buffers_vllm_makes_and_reads():
-    """README: grow_row_buffers. Every attribute ``grow_row_buffers`` touches is made by
-    FlashInferMetadataBuilder.__init__ (or is its method), and every buffer it replaces
-    is read again by the builder's planning methods, so the larger one is used."""
-    from vllm_pcp import backend
+def test_batch_metadata_the_step_rides_in():
+    """README I8. ``PCPBatchMetadata``: a frozen dataclass the plugin subclasses with a
+    defaulted ``step``, of which vLLM reads only its own fields; InputBatch's ``pcp``;
+    ``RankSegment``'s fields; the fields of InputBatch and the batch descriptor the
+    plugin reads."""
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.pcp_manager import PCPBatchMetadata, RankSegment
 
-    fn = _func(_tree("vllm_pcp.backend"), "grow_row_buffers")
-    touched = _self_loads(fn, "builder") | _self_stores(fn, "builder")
-    replaced = _self_stores(fn, "builder")
-    assert replaced, "grow_row_buffers replaces no builder attribute"
-    vllm_cls = _class(_tree("vllm.v1.attention.backends.flashinfer"),
-                      "FlashInferMetadataBuilder")
-    made = _self_stores(_func(vllm_cls, "__init__")) | _methods(vllm_cls)
-    assert touched <= made, touched - made
-    readers = [m for m in vllm_cls.body if isinstance(m, ast.FunctionDef)
-               and m.name != "__init__"]
-    for name in replaced:
-        assert any(name in _self_loads(m) for m in readers), name
-    params = list(inspect.signature(backend.FlashInferMetadataBuilder._make_buffer).parameters)
-    assert params == ["self", "size", "dtype"]
+    from vllm_pcp.manager import PCPStepBatchMetadata
+
+    for dc in (PCPBatchMetadata, RankSegment, PCPStepBatchMetadata):
+        assert dataclasses.is_dataclass(dc) and dc.__dataclass_params__.frozen
+    names = [f.name for f in dataclasses.fields(PCPBatchMetadata)]
+    assert [f.name for f in dataclasses.fields(PCPStepBatchMetadata)] == names + ["step"]
+    read = {n.attr for n in ast.walk(tree("vllm.v1.worker.gpu.model_states.default"))
+            if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "input_batch.pcp"}
+    assert read and read <= set(names)
+    batch_fields = {f.name: f for f in dataclasses.fields(InputBatch)}
+    assert batch_fields["pcp"].default is None
+    plugin = tree("vllm_pcp.manager")
+    assert self_loads(plugin, "input_batch") <= set(batch_fields)
+    assert self_loads(plugin, "batch_desc") <= {f.name for f in dataclasses.fields(
+        BatchExecutionDescriptor)}
+    for call in calls(plugin, "RankSegment"):
+        bind(RankSegment, call)
+    assert RankSegment(global_batch_req_idx=0, global_batch_slice=slice(3, 8),
+                       rank_local_batch_slice=slice(0, 5)).num_tokens == 5
 
 
-def test_real_builders_size_their_row_buffers_as_grow_row_buffers_expects(make_builder):
-    """README: grow_row_buffers. vLLM's builder sizes its per-row buffers for
-    ``max_num_seqs`` rows of ``cdiv(max_model_len, block_size)`` pages; at PCP > 1 the
-    plugin's builder has them for twice the rows, same pages per row."""
+# -- the FlashInfer builder and impl ------------------------------------------------------
+
+def test_grow_row_buffers_replaces_buffers_vllm_makes_and_reads(make_builder):
+    """README I9. The buffers ``grow_row_buffers`` replaces are made by vLLM's builder
+    ``__init__`` for ``max_num_seqs`` rows of ``cdiv(max_model_len, block_size)`` pages and
+    read again by its planning; the plugin's builder has them for twice the rows."""
     from vllm.v1.attention.backends.flashinfer import FlashInferMetadataBuilder
     from vllm.v1.utils import CpuGpuBuffer
 
     from vllm_pcp.backend import PCPFlashInferMetadataBuilder
 
-    stock, _, config = make_builder(FlashInferMetadataBuilder, prefill_context_parallel_size=2)
+    fn = func(tree("vllm_pcp.backend"), "grow_row_buffers")
+    replaced = self_stores(fn, "builder")
+    vllm_cls = cls(tree("vllm.v1.attention.backends.flashinfer"), "FlashInferMetadataBuilder")
+    assert (self_loads(fn, "builder") | replaced) <= self_stores(func(vllm_cls, "__init__"))
+    readers = [m for m in vllm_cls.body if isinstance(m, ast.FunctionDef) and m.name != "__init__"]
+    for name in replaced:
+        assert any(name in self_loads(m) for m in readers), name
+    stock, _, config = make_builder(FlashInferMetadataBuilder)
+    grown, _, _ = make_builder(PCPFlashInferMetadataBuilder)
     rows = config.scheduler_config.max_num_seqs
     pages = -(-config.model_config.max_model_len // 16)
-    for name in ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"):
-        assert isinstance(getattr(stock, name), CpuGpuBuffer), name
-    assert stock.paged_kv_indptr.cpu.shape == (rows + 1,)
-    assert stock.paged_kv_indptr_cpu_buffer.shape == (rows + 1,)
-    assert stock.paged_kv_indices.cpu.shape == (rows * pages,)
-    assert stock.paged_kv_last_page_len.cpu.shape == (rows,)
-    assert isinstance(stock.pin_memory, bool)
-    grown, _, _ = make_builder(PCPFlashInferMetadataBuilder, prefill_context_parallel_size=2)
-    assert grown.paged_kv_indptr.cpu.shape == (2 * rows + 1,)
-    assert grown.paged_kv_indptr_cpu_buffer.shape == (2 * rows + 1,)
-    assert grown.paged_kv_indices.cpu.shape == (2 * rows * pages,)
-    assert grown.paged_kv_last_page_len.cpu.shape == (2 * rows,)
-    assert isinstance(grown.paged_kv_indptr.np, np.ndarray)
+    for builder, n in ((stock, rows), (grown, 2 * rows)):
+        assert {type(builder.paged_kv_indptr), type(builder.paged_kv_last_page_len)} == {
+            CpuGpuBuffer}
+        assert builder.paged_kv_indptr.cpu.shape == (n + 1,)
+        assert builder.paged_kv_last_page_len.np.shape == (n,)
+        assert builder.paged_kv_indices.shape == (n * pages,)
 
 
-def test_real_builder_has_what_the_plugins_builder_reads(make_builder):
-    """README: FlashInferMetadataBuilder attributes. Every ``self.X`` that
-    PCPFlashInferMetadataBuilder reads and does not define, and every ``builder.X`` of
-    vllm_pcp/backend.py's helpers, is on vLLM's real builder (grown at PCP > 1), with
-    the values build_dcp plans with."""
-    from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder
-
-    tree = _tree("vllm_pcp.backend")
-    plugin = _class(tree, "PCPFlashInferMetadataBuilder")
-    own = _self_stores(plugin) | _methods(plugin) | {"_dcp_attention"}
-    read = (_self_loads(plugin) - own) | _param_loads(tree, "builder")
-    builder, _, _ = make_builder(PCPFlashInferMetadataBuilder, prefill_context_parallel_size=2)
-    assert read and not {n for n in read if not hasattr(builder, n)}
-    assert (builder.num_qo_heads, builder.num_kv_heads, builder.head_dim,
-            builder.page_size) == (8, 2, 64, 16)
-    assert builder.q_data_type_prefill == torch.bfloat16
-    assert builder.global_hyperparameters.sm_scale == 0.125
-    assert builder.global_hyperparameters.has_same_all_params is True  # one layer
-    assert builder.dcp_world_size == 1 and builder.reorder_batch_threshold == 1
-    assert builder.vllm_config.parallel_config.prefill_context_parallel_size == 2
-    # what decides the ragged kernel of fresh split steps (vllm_pcp.pcp.ragged)
-    assert (builder.cache_dtype, builder.window_left, builder.logits_soft_cap,
-            builder.has_sinks) == ("auto", -1, None, False)
-    assert builder.can_attend_ragged() and builder.device.type in ("cpu", "cuda")
-    assert list(inspect.signature(builder._get_workspace_buffer).parameters) == []
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_real_builder_has_what_the_plugins_builder_reads(make_builder, dcp):
+    """README I10. Every ``self.X`` PCPFlashInferMetadataBuilder reads and does not set,
+    and every ``builder.X`` of vllm_pcp/backend.py's helpers, is on vLLM's real builder,
+    with the values the plugin plans with; the ``cm.X`` it reads are CommonAttentionMetadata
+    fields; capture runs call ``build`` without a step."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.utils import get_per_layer_parameters
 
-    assert list(inspect.signature(get_per_layer_parameters).parameters) == [
-        "vllm_config", "layer_names", "cls_"]
-    [params] = get_per_layer_parameters(builder.vllm_config, ["layers.0.attn"],
-                                        PCPFlashInferImpl).values()
-    assert params.sm_scale == 0.125
+    from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder
 
-
-def test_flashinfer_metadata_counts_the_local_rows():
-    """README: FlashInferMetadata. vLLM's builder returns FlashInferMetadata, whose
-    ``num_actual_tokens`` the plugin's split metadata reports as the local rows."""
-    from vllm.v1.attention.backends.flashinfer import (FlashInferMetadata,
-                                                       FlashInferMetadataBuilder)
-
-    assert dataclasses.is_dataclass(FlashInferMetadata)
-    assert "num_actual_tokens" in {f.name for f in dataclasses.fields(FlashInferMetadata)}
-    assert inspect.signature(FlashInferMetadataBuilder.build).return_annotation in (
-        FlashInferMetadata, "FlashInferMetadata")
+    module = tree("vllm_pcp.backend")
+    plugin = cls(module, "PCPFlashInferMetadataBuilder")
+    read = (self_loads(plugin) - self_stores(plugin) - methods(plugin)) | \
+        param_loads(module, "builder")
+    builder, _, config = make_builder(PCPFlashInferMetadataBuilder, dcp=dcp)
+    assert read and {n for n in read if not hasattr(builder, n)} == set()
+    assert (builder.num_qo_heads, builder.num_kv_heads, builder.head_dim,
+            builder.page_size) == (8, 2, 64, 16)
+    assert builder.q_data_type_prefill == torch.bfloat16 and builder.device.type == "cpu"
+    assert builder.sm_scale == builder.global_hyperparameters.sm_scale == 0.125
+    assert builder.global_hyperparameters.has_same_all_params is True  # one layer
+    assert (builder.dcp_world_size, builder.pcp_dcp) == (dcp, dcp > 1)
+    assert (builder.cache_dtype, builder.window_left, builder.logits_soft_cap,
+            builder.has_sinks) == ("auto", -1, None, False)
+    assert params(builder._get_workspace_buffer) == []
+    [layer] = get_per_layer_parameters(config, ["layers.0.attn"], PCPFlashInferImpl).values()
+    assert layer.sm_scale == 0.125
+    assert self_loads(module, "cm") <= {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    capture = func(cls(tree("vllm.v1.attention.backend"), "AttentionMetadataBuilder"),
+                   "build_for_cudagraph_capture")
+    [call] = calls(capture, "self.build")
+    assert {k.arg for k in call.keywords} == {"common_prefix_len", "common_attn_metadata"}
 
 
 def test_real_impl_has_the_settings_the_plugin_checks(make_builder):
-    """README: FlashInferImpl attributes. What PCPFlashInferImpl and the helpers taking
-    ``impl`` read is on vLLM's impl, in the encoding they test (no window
-    ``(-1, -1)``, a window of W ``(W - 1, 0)``)."""
+    """README I11. What PCPFlashInferImpl and the helpers taking ``impl`` read is on vLLM's
+    impl, in the encoding they test (no window ``(-1, -1)``, a window of W ``(W - 1, 0)``),
+    and ``pcp_world_size`` / ``dcp_world_size`` come from vLLM's groups."""
     from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder
 
-    tree = _tree("vllm_pcp.backend")
-    plugin = _class(tree, "PCPFlashInferImpl")
-    read = (_self_loads(plugin) - _self_stores(plugin) - _methods(plugin)) | \
-        _param_loads(tree, "impl")
-    _, impl, _ = make_builder(PCPFlashInferMetadataBuilder, prefill_context_parallel_size=2)
-    assert read and not {n for n in read if not hasattr(impl, n)}
-    assert (impl.dcp_world_size, impl.pcp_world_size) == (1, 1)  # no groups in a test
+    module = tree("vllm_pcp.backend")
+    plugin = cls(module, "PCPFlashInferImpl")
+    read = (self_loads(plugin) - self_stores(plugin) - methods(plugin)) | \
+        param_loads(module, "impl")
+    _, impl, _ = make_builder(PCPFlashInferMetadataBuilder, dcp=2)
+    assert read and {n for n in read if not hasattr(impl, n)} == set()
+    assert (impl.pcp_world_size, impl.dcp_world_size) == (2, 2)
     assert impl.sliding_window == (-1, -1) and impl.sinks is None
     assert impl.logits_soft_cap is None and impl.head_size == 64
     assert impl.alibi_slopes is None and impl.kv_sharing_target_layer_name is None
-    assert impl.kv_cache_dtype == "auto"
-    assert isinstance(impl, PCPFlashInferImpl) and impl.supports_pcp
-    _, windowed, _ = make_builder(PCPFlashInferMetadataBuilder, sliding_window=16,
-                                  prefill_context_parallel_size=2)
+    assert impl.kv_cache_dtype == "auto" and isinstance(impl, PCPFlashInferImpl)
+    _, windowed, _ = make_builder(PCPFlashInferMetadataBuilder, sliding_window=16)
     assert windowed.sliding_window == (15, 0)
 
 
-def test_attention_layer_calls_the_methods_the_impl_overrides():
-    """README: do_kv_cache_update, FlashInferImpl.forward. FlashInfer leaves the cache
-    write to the layer (``forward_includes_kv_cache_update`` False), and the calls vLLM's
-    attention layer makes bind to the plugin's overrides; the layer's name is the key of
-    the forward context's per-layer dicts."""
-    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+def test_attention_layer_reaches_the_impls_overrides(make_builder, monkeypatch):
+    """README I12. vLLM's attention layer leaves FlashInfer's cache write to
+    ``unified_kv_cache_update``, which calls ``impl.do_kv_cache_update(layer, key, value,
+    kv_cache, slot_mapping)`` with the layer's slot mapping: run on a real forward context,
+    a slot mapping of N * P rows makes the plugin's override all-gather the P local rows
+    over the PCP group first. ``unified_attention_with_output`` calls ``impl.forward``,
+    and vLLM's forward writes zeros without metadata (profile runs)."""
+    from vllm.config import CUDAGraphMode, set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention import attention
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend, FlashInferImpl
 
-    from vllm_pcp.backend import PCPFlashInferBackend, PCPFlashInferImpl
+    import vllm_pcp.backend as backend
+    from vllm_pcp.backend import PCPFlashInferMetadataBuilder
 
-    assert FlashInferBackend.forward_includes_kv_cache_update is False
-    assert PCPFlashInferBackend.forward_includes_kv_cache_update is False
-    tree = _tree("vllm.model_executor.layers.attention.attention")
-    [update] = _calls(tree, "attn_layer.impl.do_kv_cache_update")
-    _bind(PCPFlashInferImpl.do_kv_cache_update, update, bound_self=True)
-    [forward] = _calls(tree, "self.impl.forward")
-    _bind(PCPFlashInferImpl.forward, forward, bound_self=True)
-    layer = _class(tree, "Attention")
+    source = tree("vllm.model_executor.layers.attention.attention")
     assert "not self.attn_backend.forward_includes_kv_cache_update" in \
-        ast.unparse(_func(layer, "forward"))
-    assert "self.layer_name = prefix" in ast.unparse(_func(layer, "__init__"))
-    context = ast.unparse(_func(tree, "get_attention_context"))
-    assert "attn_metadata_raw[layer_name]" in context
-    assert "slot_mapping.get(layer_name)" in context
+        ast.unparse(func(cls(source, "Attention"), "forward"))
+    assert FlashInferBackend.forward_includes_kv_cache_update is False
+    _, impl, config = make_builder(PCPFlashInferMetadataBuilder)
+    layer = config.compilation_config.static_forward_context["layers.0.attn"]
+    layer.layer_name, layer.kv_cache = "layers.0.attn", torch.zeros(1)
+    written = []
+    monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update",
+                        lambda self, *args: written.append(args))
+    monkeypatch.setattr(backend, "get_pcp_group", lambda: group(2, all_gather=lambda x, dim:
+                                                                torch.cat([x, x + 100])))
+    key, value = torch.ones(3, 2, 64), torch.zeros(3, 2, 64)
+    slots = torch.arange(6)
+    with set_current_vllm_config(config), set_forward_context(
+            {"layers.0.attn": None}, config, slot_mapping={"layers.0.attn": slots},
+            cudagraph_runtime_mode=CUDAGraphMode.NONE):
+        assert backend._layer_metadata(layer) is None
+        attention.unified_kv_cache_update(key, value, "layers.0.attn")
+        out = torch.ones(3, 2, 64)
+        attention.unified_attention_with_output(key, key, value, out, "layers.0.attn")
+    [(got_layer, k, v, cache, slot_mapping)] = written
+    assert got_layer is layer and cache is layer.kv_cache and slot_mapping is slots
+    assert k.shape == (6, 2, 64) and (k[:3] == 1).all() and (k[3:] == 101).all()
+    assert (v[3:] == 100).all() and (out == 0).all()
 
 
-def test_kv_cache_layout_the_plugin_views(make_builder, monkeypatch):
-    """README: KV cache layout. FlashInfer's cache is ``(B, H, N, 2 * head)`` permuted
-    by ``get_kv_cache_stride_order``; the plugin's K/V views of it are the K/V that
-    vLLM's own ``do_kv_cache_update`` writes."""
-    import vllm.v1.attention.backends.flashinfer as flashinfer
+def test_kv_cache_views_are_what_vllms_flashinfer_reads(make_builder):
+    """README I13. The plugin's K/V views of a layer's cache (its DCP attention and context
+    reads) are the ones vLLM's FlashInfer forward hands FlashInfer, in every layout
+    FlashInfer has a name for: the cache permuted by the layout's ``layer_view_order``,
+    split into K and V by ``head_size``, zero-copy; the builder reads the layout vLLM
+    resolved (``kv_cache_layout``)."""
     from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+    from vllm.v1.attention.backends import utils
+    from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from vllm_pcp.backend import PCPFlashInferMetadataBuilder
 
-    assert flashinfer.FlashInferBackend.get_kv_cache_shape(5, 16, 2, 64) == (5, 2, 16, 128)
-    assert list(inspect.signature(
-        flashinfer.FlashInferBackend.get_kv_cache_stride_order).parameters) == [
-        "include_num_layers_dimension"]
-    assert list(inspect.signature(canonicalize_singleton_dim_strides).parameters) == ["t"]
-    # the layout the plugin plans DCP attention with is the one the stride order reads
-    from vllm.v1.attention.backends.utils import get_kv_cache_layout
-
-    assert flashinfer.get_kv_cache_layout is get_kv_cache_layout
-    assert list(inspect.signature(get_kv_cache_layout).parameters) == []
-    update = ast.unparse(_func(_class(_tree("vllm.v1.attention.backends.flashinfer"),
-                                      "FlashInferImpl"), "do_kv_cache_update"))
-    assert "kv_cache.transpose(1, 2).split(self.head_size, dim=-1)" in update
-    _, impl, _ = make_builder(PCPFlashInferMetadataBuilder, prefill_context_parallel_size=2)
-    for layout, order in (("NHD", (0, 2, 1, 3)), ("HND", (0, 1, 2, 3))):
-        monkeypatch.setattr(flashinfer, "get_kv_cache_layout", lambda: layout)
-        assert flashinfer.FlashInferBackend.get_kv_cache_stride_order() == order
-        shape = flashinfer.FlashInferBackend.get_kv_cache_shape(5, 16, 2, 64)
-        # as vLLM allocates it: memory in stride order, seen as (B, H, N, 2 * head)
-        inverse = [order.index(i) for i in range(4)]
-        cache = torch.randn([shape[i] for i in order]).permute(*inverse)
-        k, v = impl._kv_views(cache)
-        written_k, written_v = cache.transpose(1, 2).split(64, dim=-1)  # (B, N, H, D)
-        if layout == "HND":  # the plugin's views are (B, H, N, D) there
-            written_k, written_v = written_k.transpose(1, 2), written_v.transpose(1, 2)
-        assert torch.equal(k, written_k) and torch.equal(v, written_v)
-        assert k.data_ptr() == cache.data_ptr()  # zero-copy
+    forward = ast.unparse(func(cls(tree("vllm.v1.attention.backends.flashinfer"),
+                                   "FlashInferImpl"), "forward"))
+    assert "stride_order = kv_cache_layout.layer_view_order" in forward
+    assert "kv_cache_permute = kv_cache.permute(*stride_order)" in forward
+    assert "kv_cache_tuple = kv_cache_permute.split(hs, dim=-1)" in forward
+    builder, impl, config = make_builder(PCPFlashInferMetadataBuilder)
+    assert builder.kv_cache_layout is config.cache_config.get_resolved_kv_cache_layout()
+    for name in utils._FLASHINFER_LAYOUT_NAMES:
+        order, shape = KVCacheLayout[name].layer_view_order, (5, 2, 16, 128)  # (B, H, N, 2D)
+        cache = torch.randn([shape[i] for i in order]).permute(*[order.index(i)
+                                                                 for i in range(4)])
+        theirs = canonicalize_singleton_dim_strides(cache.permute(*order)).split(64, dim=-1)
+        ours = impl._kv_views(cache, tuple(order))
+        assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(ours, theirs))
+        assert ours[0].data_ptr() == cache.data_ptr()
 
 
-def _dcp_attention_names() -> dict[str, tuple[str, str]]:
-    """What DCPAttention.__init__ keeps: ``self.X`` -> ``("instance", "flashinfer.C")``
-    for a wrapper it builds, ``("alias", "flashinfer.f")`` for a FlashInfer class or
-    function it keeps, ``("alias", "fast_plan_decode")``."""
-    init = _func(_class(_tree("vllm_pcp.dcp.attention"), "DCPAttention"), "__init__")
-    kept = {}
-    for n in ast.walk(init):
-        if not isinstance(n, ast.Assign):
-            continue
-        for target in n.targets:
-            pairs = (zip(target.elts, n.value.elts) if isinstance(target, ast.Tuple)
-                     else [(target, n.value)])
-            for t, v in pairs:
-                if not (isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"):
-                    continue
-                text = ast.unparse(v.func if isinstance(v, ast.Call) else v)
-                if isinstance(v, ast.Call) and text.startswith("flashinfer."):
-                    kept[t.attr] = ("instance", text)
-                elif isinstance(v, ast.Call) and text.startswith("self.") and \
-                        kept.get(text[5:], ("",))[0] == "alias":
-                    kept[t.attr] = ("instance", kept[text[5:]][1])
-                elif text.startswith("flashinfer.") or text == "fast_plan_decode":
-                    kept[t.attr] = ("alias", text)
-    return kept
-
-
-def _resolve(text: str):
-    import flashinfer
-    from vllm.v1.attention.backends import flashinfer as vllm_flashinfer
-
-    if text == "fast_plan_decode":
-        return vllm_flashinfer.fast_plan_decode
-    return getattr(flashinfer, text.split(".", 1)[1])
-
+# -- FlashInfer planning ------------------------------------------------------------------
 
 def test_fast_plan_decode_takes_the_dcp_attention_arguments():
-    """README: fast_plan_decode. Every call of it in vllm_pcp/dcp/attention.py binds to
-    vLLM's signature (the decode wrapper passed as its ``self``)."""
+    """README I14. Every call of vLLM's ``fast_plan_decode`` in vllm_pcp/dcp/attention.py
+    binds to its 0.33.0 signature (the decode wrapper first, then ``indptr_cpu, indices,
+    last_page_len_cpu, seq_lens_cpu``), and its own call of the wrapper's ``plan`` binds
+    to FlashInfer's."""
     from vllm.v1.attention.backends.flashinfer import fast_plan_decode
 
-    names = [f"self.{k}" for k, v in _dcp_attention_names().items()
-             if v == ("alias", "fast_plan_decode")] + ["fast_plan_decode"]
-    tree = _tree("vllm_pcp.dcp.attention")
-    calls = [c for name in names for c in _calls(tree, name)]
-    assert calls, "vllm_pcp/dcp/attention.py no longer calls fast_plan_decode"
-    for call in calls:
-        _bind(fast_plan_decode, call)
-    params = inspect.signature(fast_plan_decode).parameters
-    assert list(params)[:8] == ["self", "indptr_cpu", "indices", "last_page_len_cpu",
-                                "num_qo_heads", "num_kv_heads", "head_dim", "page_size"]
+    names = {f"self.{k}" for k, v in kept("vllm_pcp.dcp.attention").items()
+             if v == ("alias", "fast_plan_decode")}
+    found = [c for name in names for c in calls(tree("vllm_pcp.dcp.attention"), name)]
+    assert names and found
+    for call in found:
+        bind(fast_plan_decode, call)
+    assert params(fast_plan_decode)[:9] == [
+        "self", "indptr_cpu", "indices", "last_page_len_cpu", "seq_lens_cpu", "num_qo_heads",
+        "num_kv_heads", "head_dim", "page_size"]
+    [plan] = calls(func(tree("vllm.v1.attention.backends.flashinfer"), "fast_plan_decode"),
+                   "self.plan")
+    assert {k.arg: ast.unparse(k.value) for k in plan.keywords}["seq_lens"] == "seq_lens_cpu"
+    bind(flashinfer_method(DECODE, "plan"), plan, bound_self=True)
 
 
-def test_flashinfer_wrappers_take_the_dcp_attention_arguments():
-    """README: FlashInfer wrappers (vLLM 0.26.0 pins flashinfer-python 0.6.14). Every
-    FlashInfer call of vllm_pcp/dcp/attention.py binds: constructors and the
-    ``plan``/``run`` of the wrappers DCPAttention builds to that wrapper's method; kept
-    functions (merges) to theirs; ``plan``/``run`` on a wrapper the source does not
-    name (a parameter, a step's wrapper) to one of FlashInfer's three wrappers."""
+@pytest.mark.parametrize("module", ["vllm_pcp.dcp.attention", "vllm_pcp.pcp.ragged"])
+def test_flashinfer_wrappers_take_the_plugins_arguments(module):
+    """README I15. Every FlashInfer call of the module binds: constructors, ``plan`` and
+    ``run`` of the wrappers it builds, the merges it keeps; ``plan``/``run`` on a wrapper
+    the source does not name (a parameter, a step's wrapper) to one of FlashInfer's three.
+    No call sets ``lse_base``: the prefill wrappers return base-2 LSEs by default, the base
+    the merges and vLLM's own FlashInfer DCP combine (``is_lse_base_on_e=False``) use."""
     import flashinfer
 
-    assert flashinfer.__version__ == "0.6.14"
-    wrappers = [flashinfer.BatchPrefillWithRaggedKVCacheWrapper,
-                flashinfer.BatchPrefillWithPagedKVCacheWrapper,
-                flashinfer.BatchDecodeWithPagedKVCacheWrapper]
-    kept = _dcp_attention_names()
-    assert {v[1] for v in kept.values() if v[0] == "instance"} >= {
-        "flashinfer.BatchPrefillWithRaggedKVCacheWrapper",
-        "flashinfer.BatchPrefillWithPagedKVCacheWrapper",
-        "flashinfer.BatchDecodeWithPagedKVCacheWrapper"}
+    held = kept(module)
+    assert {v[1] for v in held.values() if v[0] == "instance"} <= set(WRAPPERS)
     bound = 0
-    for call in ast.walk(_tree("vllm_pcp.dcp.attention")):
-        if not isinstance(call, ast.Call):
-            continue
+    for call in (n for n in ast.walk(tree(module)) if isinstance(n, ast.Call)):
         callee = ast.unparse(call.func)
         head, _, method = callee.rpartition(".")
-        attr = callee[5:] if callee.startswith("self.") else None
+        assert "lse_base" not in {k.arg for k in call.keywords}, callee
         if callee.startswith("flashinfer."):
-            _bind(_resolve(callee).__init__, call, bound_self=True)
-        elif attr in kept and kept[attr][1] != "fast_plan_decode":
-            target = _resolve(kept[attr][1])
-            if inspect.isclass(target):
-                _bind(target.__init__, call, bound_self=True)
-            else:
-                _bind(target, call)
-        elif method in ("plan", "run") and head.startswith("self.") and \
-                head[5:] in kept and kept[head[5:]][0] == "instance":
-            _bind(getattr(_resolve(kept[head[5:]][1]), method), call, bound_self=True)
+            bind(getattr(flashinfer, callee[11:]).__init__, call, bound_self=True)
+        elif callee.startswith("self.") and held.get(callee[5:], ("",))[0] == "alias" \
+                and held[callee[5:]][1] != "fast_plan_decode":
+            bind(getattr(flashinfer, held[callee[5:]][1]), call)
+        elif method in ("plan", "run") and held.get(head[5:], ("",))[0] == "instance":
+            bind(flashinfer_method(held[head[5:]][1], method), call, bound_self=True)
         elif method in ("plan", "run") and head not in ("self", ""):
             errors = []
-            for cls in wrappers:
+            for name in WRAPPERS:
                 try:
-                    _bind(getattr(cls, method), call, bound_self=True)
+                    bind(flashinfer_method(name, method), call, bound_self=True)
                     break
                 except TypeError as exc:
                     errors.append(exc)
             else:
-                raise AssertionError(f"{ast.unparse(call)} binds to no FlashInfer "
-                                     f"wrapper's {method}: {errors}")
+                raise AssertionError(f"{callee} binds to no FlashInfer wrapper: {errors}")
         else:
             continue
         bound += 1
-    assert bound >= 10
+    assert bound >= (12 if module.endswith("attention") else 3)
+    for name in WRAPPERS[:2]:
+        assert inspect.signature(flashinfer_method(name, "run")).parameters[
+            "lse_base"].default == "log2"
+    assert "is_lse_base_on_e=False" in ast.unparse(func(cls(tree(
+        "vllm.v1.attention.backends.flashinfer"), "FlashInferImpl"), "__init__"))
 
 
-# -- the forward context ------------------------------------------------------------------
+# -- the DCP layout and process groups ----------------------------------------------------
 
-def _forward_context_writes() -> set[str]:
-    """Fields PCPModelRunner assigns on the object ``get_forward_context()`` returns."""
-    plugin = _class(_tree("vllm_pcp.runner"), "PCPModelRunner")
-    out = set()
-    for fn in ast.walk(plugin):
-        if not isinstance(fn, ast.FunctionDef):
-            continue
-        names = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign)
-                 and ast.unparse(n.value) == "get_forward_context()"
-                 for t in n.targets if isinstance(t, ast.Name)}
-        for name in names:
-            out |= _self_stores(fn, name)
-    assert out, "found no forward-context write in PCPModelRunner"
-    return out
+@pytest.mark.parametrize("world,interleave,block_size", [
+    (2, 1, 16), (2, 8, 16), (2, 16, 16), (4, 4, 16), (3, 2, 32), (4, 1, 32)])
+def test_dcp_slot_mapping_is_the_layout_the_plugin_assumes(world, interleave, block_size):
+    """README I16. The context-parallel arithmetic of MRV2's slot-mapping kernel
+    (``_compute_slot_mappings_kernel``, what ``BlockTables.compute_slot_mappings`` runs with
+    ``cp_size = dcp_size``), evaluated on the CPU, places token p on rank ``dcp_owner`` at
+    local offset o = ``dcp_local_offset`` (vllm_pcp.dcp.layout), slot
+    ``block_table[o // block_size] * block_size + o % block_size``, and gives the other
+    ranks -1. vLLM requires the interleave to divide the block size."""
+    from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 
+    from vllm_pcp.dcp.layout import dcp_local_offset, dcp_owner
 
-def test_forward_context_takes_the_runners_writes(make_config):
-    """README: ForwardContext fields. The fields the runner writes are ForwardContext's;
-    written into vLLM's real context they take (``cudagraph_runtime_mode`` is
-    validated), vLLM's own ``get_attention_context`` still finds the layer's metadata
-    and slot mapping by layer name, and so does the backend's metadata lookup."""
-    from vllm.config import CUDAGraphMode
-    from vllm.forward_context import ForwardContext, get_forward_context, set_forward_context
-    from vllm.model_executor.layers.attention.attention import get_attention_context
-
-    from vllm_pcp import backend
-
-    lookups = [fn.name for fn in _tree("vllm_pcp.backend").body
-               if isinstance(fn, ast.FunctionDef)
-               and "get_forward_context().attn_metadata" in ast.unparse(fn)]
-    assert len(lookups) == 1, lookups
-    layer_metadata = getattr(backend, lookups[0])
-    writes = _forward_context_writes()
-    fields = {f.name for f in dataclasses.fields(ForwardContext)}
-    assert writes <= fields, writes - fields
-    assert {"attn_metadata", "no_compile_layers"} <= fields
-    assert {"NONE", "FULL_DECODE_ONLY"} <= set(CUDAGraphMode.__members__)
-    config = make_config(prefill_context_parallel_size=2)
-    layer = SimpleNamespace(layer_name="layers.0.attn", kv_cache=torch.zeros(1))
-    config.compilation_config.static_forward_context[layer.layer_name] = layer
-    metadata = SimpleNamespace(exchange="exchange")
-    stock, gathered = torch.arange(4), torch.arange(8)
-    with set_forward_context({layer.layer_name: metadata}, config,
-                             slot_mapping={layer.layer_name: stock},
-                             cudagraph_runtime_mode=CUDAGraphMode.NONE):
-        ctx = get_forward_context()
-        assert isinstance(ctx, ForwardContext)
-        values = dict(slot_mapping={layer.layer_name: gathered},
-                      cudagraph_runtime_mode=CUDAGraphMode.NONE, batch_descriptor=None,
-                      is_padding=None)
-        for name in writes:  # what the runner writes, as it writes it
-            setattr(ctx, name, values[name])
-        md, attn_layer, kv_cache, slots = get_attention_context(layer.layer_name)
-        assert md is metadata and attn_layer is layer
-        assert slots is (gathered if "slot_mapping" in writes else stock)
-        assert layer_metadata(layer) is metadata
+    kernel = func(tree("vllm.v1.worker.gpu.block_table"), "_compute_slot_mappings_kernel")
+    [(loop, cp)] = [(n, s) for n in ast.walk(kernel) if isinstance(n, ast.For)
+                    for s in n.body if isinstance(s, ast.If)
+                    and ast.unparse(s.test) == "CP_SIZE == 1"]
+    after = loop.body[loop.body.index(cp) + 1:]
+    assert [ast.unparse(s.targets[0]) for s in after if isinstance(s, ast.Assign)] == [
+        "block_indices", "block_offsets", "block_numbers", "slot_ids", "slot_ids"]
+    pos = np.arange(5 * block_size * world, dtype=np.int64)
+    table = np.arange(100, 110, dtype=np.int64)  # one request's block-table row
+    for rank in range(world):
+        env = dict(positions=pos, kv_block_size=block_size, CP_SIZE=world, cp_rank=rank,
+                   CP_INTERLEAVE=interleave, PAD_ID=PAD_SLOT_ID, sharded=np.True_,
+                   mapping_enabled=np.True_, is_real_req=np.True_,
+                   tl=SimpleNamespace(where=np.where))
+        run_statements(cp.orelse, env)
+        for stmt in after:
+            if isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets[0]) == "block_numbers":
+                env["block_numbers"] = table[np.where(env["is_local"], env["block_indices"], 0)]
+            elif not isinstance(stmt, ast.Expr):  # the store
+                run_statements([stmt], env)
+        owner = dcp_owner(torch.from_numpy(pos), world, interleave).numpy()
+        local = dcp_local_offset(torch.from_numpy(pos), world, interleave).numpy()
+        mine = owner == rank
+        assert np.array_equal(env["is_local"], mine)
+        expect = np.where(mine, table[local // block_size] * block_size + local % block_size, -1)
+        assert np.array_equal(env["slot_ids"], expect)
+    runner = func(cls(tree(RUNNER), "GPUModelRunner"), "initialize_kv_cache")
+    [tables] = calls(runner, "BlockTables")
+    assert {k.arg: ast.unparse(k.value) for k in tables.keywords if k.arg.startswith("cp_")} \
+        == {"cp_size": "self.dcp_size", "cp_rank": "self.dcp_rank",
+            "cp_interleave": "self.cp_interleave"}
+    assert "block_size % self.parallel_config.cp_kv_cache_interleave_size == 0" in ast.unparse(
+        func(cls(tree("vllm.config.vllm"), "VllmConfig"), "validate_block_size"))
 
 
-# -- CommonAttentionMetadata --------------------------------------------------------------
+@pytest.mark.parametrize("world,interleave", [(1, 1), (2, 1), (2, 8), (4, 4), (3, 16)])
+def test_dcp_local_seq_lens_counts_the_tokens_a_rank_stores(world, interleave):
+    """README I17. vllm_pcp.dcp.layout's calls bind to vLLM's ``get_dcp_local_seq_lens``,
+    which counts, for one rank or (rank None) every rank, the first L tokens the slot
+    mapping above gives it."""
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
-def _common_metadata_keywords() -> list[set[str]]:
-    """Keyword names of each CommonAttentionMetadata(...) call in vllm_pcp/runner.py,
-    ``**name`` expanded where ``name = dict(...)`` in the same function."""
-    out = []
-    for fn in ast.walk(_tree("vllm_pcp.runner")):
-        if not isinstance(fn, ast.FunctionDef):
-            continue
-        dicts = {n.targets[0].id: {k.arg for k in n.value.keywords}
-                 for n in ast.walk(fn) if isinstance(n, ast.Assign)
-                 and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Call)
-                 and ast.unparse(n.value.func) == "dict"}
-        for call in _calls(fn, "CommonAttentionMetadata"):
-            names = set()
-            for k in call.keywords:
-                names |= {k.arg} if k.arg else dicts[ast.unparse(k.value)]
-            out.append(names)
-    return out
+    from vllm_pcp.dcp.layout import dcp_owner
 
-
-def test_common_attention_metadata_takes_the_runners_keywords():
-    """README: CommonAttentionMetadata fields. Each of the runner's calls names only
-    fields of vLLM's dataclass and every field without a default, and builds a real
-    one."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    calls = _common_metadata_keywords()
-    assert calls, "found no CommonAttentionMetadata(...) call in vllm_pcp/runner.py"
-    fields = dataclasses.fields(CommonAttentionMetadata)
-    names = {f.name for f in fields if f.init}
-    required = {f.name for f in fields if f.init and f.default is dataclasses.MISSING
-                and f.default_factory is dataclasses.MISSING}
-    for keywords in calls:
-        assert keywords <= names, keywords - names
-        assert required <= keywords, required - keywords
-        values = {k: torch.zeros(2, dtype=torch.int32) for k in keywords}
-        values.update({k: 2 for k in keywords & {"num_reqs", "num_actual_tokens",
-                                                 "max_query_len", "max_seq_len"}})
-        values.update({k: True for k in keywords & {"causal"}})
-        assert CommonAttentionMetadata(**values).num_reqs == 2
+    found = calls(tree("vllm_pcp.dcp.layout"), "get_dcp_local_seq_lens")
+    assert len(found) >= 2
+    for call in found:
+        bind(get_dcp_local_seq_lens, call)
+    assert params(get_dcp_local_seq_lens) == ["seq_lens", "dcp_size", "dcp_rank",
+                                              "cp_kv_cache_interleave_size"]
+    lens = torch.arange(0, 4 * world * interleave + 3)
+    owner = dcp_owner(torch.arange(int(lens.max())), world, interleave)
+    every = get_dcp_local_seq_lens(lens, world, None, interleave)
+    for rank in range(world):
+        expect = torch.tensor([int((owner[:n] == rank).sum()) for n in lens.tolist()])
+        assert torch.equal(get_dcp_local_seq_lens(lens, world, rank, interleave).long(), expect)
+        assert torch.equal(every[:, rank].long(), expect)
 
 
-# -- process groups -----------------------------------------------------------------------
-
-def test_group_coordinator_has_what_the_exchanges_use():
-    """README: GroupCoordinator. ``world_size``, ``rank_in_group``, ``ranks``,
-    ``all_gather(x, dim)``, ``device_group``; and no ``all_to_all`` of its own:
-    vllm_pcp.pcp.exchange.all_to_all then runs torch's on ``device_group``."""
+@pytest.mark.parametrize("tp,pcp", [(1, 2), (2, 2), (1, 4), (4, 2)])
+def test_process_groups_are_what_the_plugin_uses(tp, pcp):
+    """README I18. ``initialize_model_parallel``'s own rank arithmetic, evaluated on the
+    CPU: with DCP = PCP every DCP group is a PCP group, as PCPModelRunner checks at
+    start-up. GroupCoordinator has ``world_size``, ``rank_in_group``, ``ranks``,
+    ``device_group``, ``all_gather(input_, dim)`` and no ``all_to_all`` of its own
+    (vllm_pcp.pcp.exchange.all_to_all runs torch's on ``device_group``)."""
     from vllm.distributed import parallel_state
     from vllm.distributed.parallel_state import GroupCoordinator
 
-    init = _func(_class(_tree("vllm.distributed.parallel_state"), "GroupCoordinator"),
-                 "__init__")
-    assert {"world_size", "rank_in_group", "ranks", "device_group"} <= _self_stores(init)
-    assert list(inspect.signature(GroupCoordinator.all_gather).parameters) == [
-        "self", "input_", "dim"]
+    init = func(cls(tree("vllm.distributed.parallel_state"), "GroupCoordinator"), "__init__")
+    assert {"world_size", "rank_in_group", "ranks", "device_group"} <= self_stores(init)
+    assert params(GroupCoordinator.all_gather) == params(GroupCoordinator.reduce_scatter) \
+        == ["self", "input_", "dim"]
     assert not hasattr(GroupCoordinator, "all_to_all")
-    for name in ("get_pcp_group", "get_dcp_group"):
-        assert list(inspect.signature(getattr(parallel_state, name)).parameters) == []
+    assert params(parallel_state.get_pcp_group) == params(parallel_state.get_dcp_group) == []
+    fn = func(tree("vllm.distributed.parallel_state"), "initialize_model_parallel")
+    [all_ranks] = [n for n in ast.walk(fn) if isinstance(n, ast.Assign)
+                   and ast.unparse(n.targets[0]) == "all_ranks"]
+
+    def block(name):  # the statements after ``global _X`` up to the group's creation
+        start = next(i for i, s in enumerate(fn.body) if isinstance(s, ast.Global)
+                     and s.names == [name])
+        end = next(i for i, s in enumerate(fn.body) if i > start and isinstance(s, ast.Assign)
+                   and ast.unparse(s.targets[0]) == name)
+        return [s for s in fn.body[start + 1:end] if not isinstance(s, ast.Assert)]
+
+    groups = {}
+    for name in ("_DCP", "_PCP"):
+        env = dict(torch=torch, world_size=tp * pcp, data_parallel_size=1,
+                   pipeline_model_parallel_size=1, tensor_model_parallel_size=tp,
+                   prefill_context_model_parallel_size=pcp,
+                   decode_context_model_parallel_size=pcp, enable_elastic_ep=False,
+                   local_all_ranks=None)
+        groups[name] = run_statements([all_ranks] + block(name), env)["group_ranks"]
+    assert sorted(groups["_DCP"]) == sorted(groups["_PCP"])
+    assert all(len(g) == pcp for g in groups["_PCP"])
 
 
-# -- config fields ------------------------------------------------------------------------
+# -- MoE and CUDA graph modes ------------------------------------------------------------
 
-_PARAM_ROOTS = {"vllm_config": (), "model": ("model_config",)}
-
-
-def _config_path(node, aliases):
-    """The VllmConfig attribute path ``node`` reads, or None: ``vllm_config.a.b``,
-    ``self.vllm_config.a``, ``getattr(x, "a", ...)``, names assigned from such paths."""
-    if isinstance(node, ast.Name):
-        return aliases.get(node.id)
-    if isinstance(node, ast.Attribute):
-        if node.attr == "vllm_config" and isinstance(node.value, ast.Name):
-            return ()
-        base = _config_path(node.value, aliases)
-        return None if base is None else base + (node.attr,)
-    if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and \
-            len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
-        base = _config_path(node.args[0], aliases)
-        return None if base is None else base + (node.args[1].value,)
-    return None
-
-
-def _config_paths(module: str) -> set[tuple[str, ...]]:
-    paths = set()
-    for fn in ast.walk(_tree(module)):
-        if not isinstance(fn, ast.FunctionDef):
-            continue
-        aliases = {a.arg: _PARAM_ROOTS[a.arg] for a in fn.args.args if a.arg in _PARAM_ROOTS}
-        for _ in range(3):  # aliases of aliases
-            for n in ast.walk(fn):
-                if not isinstance(n, ast.Assign) or len(n.targets) != 1:
-                    continue
-                target, value = n.targets[0], n.value
-                pairs = (zip(target.elts, value.elts) if isinstance(target, ast.Tuple)
-                         and isinstance(value, ast.Tuple) else [(target, value)])
-                for t, v in pairs:
-                    path = _config_path(v, aliases)
-                    if isinstance(t, ast.Name) and path is not None:
-                        aliases[t.id] = path
-        for n in ast.walk(fn):
-            path = _config_path(n, aliases)
-            if path:
-                paths.add(path)
-    return paths
-
-
-def _optional_class(owner: type, name: str):
-    """The config class of ``owner``'s field ``name`` typed ``X | None``, else None."""
-    import typing
-
-    try:
-        hint = typing.get_type_hints(owner).get(name)
-    except Exception:  # noqa: BLE001 - an unresolvable annotation: no class
-        return None
-    classes = [a for a in typing.get_args(hint) if inspect.isclass(a) and a is not type(None)]
-    return classes[0] if len(classes) == 1 and dataclasses.is_dataclass(classes[0]) else None
-
-
-def test_config_fields_the_plugin_reads_exist(make_config):
-    """README: config fields. Every VllmConfig attribute path the plugin reads (many
-    with ``getattr(..., default)``, which would pass silently if vLLM renamed the
-    field) resolves on vLLM's real config; below a field the test config leaves None
-    (an optional sub-config), on that field's declared class."""
-    config = make_config(prefill_context_parallel_size=2)
-    paths = set()
-    for module in ("vllm_pcp.config", "vllm_pcp.runner", "vllm_pcp.backend",
-                   "vllm_pcp.worker", "vllm_pcp.pcp.memory"):
-        paths |= _config_paths(module)
-    assert ("parallel_config", "dcp_comm_backend") in paths  # the parser still works
-    unresolved = []
-    for path in sorted(paths):
-        obj, owner = config, None
-        for name in path:
-            if obj is None:  # an optional sub-config left unset: check its class
-                cls = _optional_class(*owner)
-                if cls is None or not (name in {f.name for f in dataclasses.fields(cls)}
-                                       or hasattr(cls, name)):
-                    unresolved.append(path)
-                break
-            if not hasattr(obj, name):
-                unresolved.append(path)
-                break
-            owner, obj = (type(obj), name), getattr(obj, name)
-    assert not unresolved, unresolved
-
-
-def test_vllm_sizes_the_kv_cache_from_the_profile_runs_torch_peak():
-    """README: I25. ``Worker.determine_available_memory`` runs the runner's
-    ``profile_run`` inside ``memory_profiling`` and then reads the torch peak: memory the
-    override holds through the run counts against the KV cache."""
-    fn = _func(_class(_tree("vllm.v1.worker.gpu_worker"), "Worker"),
-               "determine_available_memory")
-    profiling = next(n for n in ast.walk(fn) if isinstance(n, ast.With)
-                     and "memory_profiling" in ast.unparse(n.items[0].context_expr))
-    assert _calls(profiling, "self.model_runner.profile_run")
-    assert "allocated_bytes.all.peak" in ast.unparse(profiling)
-    runner = _class(_tree("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner")
-    assert [a.arg for a in _func(runner, "profile_run").args.args] == ["self"]
-    # memory_profiling resets the peak and measures right before the run: resetting it
-    # again at the run's start changes nothing in vLLM's count
-    body = ast.unparse(_func(_tree("vllm.utils.mem_utils"), "memory_profiling"))
-    reset, measure = body.index("reset_peak_memory_stats"), body.index("before_profile.measure")
-    assert reset < measure < body.index("yield result")
-
-
-def test_moe_layers_sum_the_pcp_ranks_parts_with_a_reduce_scatter():
-    """README: the MoE refusal (vllm_pcp.config._moe_refusal). vLLM combines an expert
-    layer's parts over the PCP ranks with a reduce-scatter, whose per-slice order differs
-    from rank to rank; ``ModelConfig.is_moe`` says which models have such layers."""
+def test_moe_layers_gather_and_reduce_scatter_over_the_pcp_group():
+    """README I19. vLLM's MoE runner all-gathers an expert layer's tokens over the PCP
+    group and reduce-scatters its output (the MoE refusal and decode policy of
+    vllm_pcp/config.py and knobs.py); ``ModelConfig.is_moe`` says which models have such
+    layers; the manager's MoE padding mask is on unless expert parallelism is."""
     from vllm.config import ModelConfig
 
-    runner = _class(_tree("vllm.model_executor.layers.fused_moe.runner.moe_runner"), "MoERunner")
-    assert _calls(_func(runner, "_maybe_combine"), "get_pcp_group().reduce_scatter")
-    assert _calls(_func(runner, "_maybe_dispatch"), "get_pcp_group().all_gather")
+    runner = cls(tree("vllm.model_executor.layers.fused_moe.runner.moe_runner"), "MoERunner")
+    assert calls(func(runner, "_maybe_dispatch"), "get_pcp_group().all_gather")
+    assert calls(func(runner, "_maybe_combine"), "get_pcp_group().reduce_scatter")
     assert isinstance(inspect.getattr_static(ModelConfig, "is_moe"), property)
+    build = ast.unparse(func(tree(MANAGER), "maybe_build_pcp_manager"))
+    assert "moe_gathers_tokens=not parallel_config.enable_expert_parallel" in build
+
+
+def test_cuda_graph_modes_config_reads():
+    """README I20. The CUDAGraphMode methods and members vllm_pcp/config.py uses exist and
+    mean what it relies on: full graphs kept only as a separate decode routine, else
+    piecewise or none (vLLM's own PCPManager.validate_config allows the same)."""
+    from vllm.config import CUDAGraphMode
+
+    used = {n.attr for n in ast.walk(tree("vllm_pcp.config")) if isinstance(n, ast.Attribute)
+            and ast.unparse(n.value) in ("mode", "CUDAGraphMode")}
+    assert {"has_full_cudagraphs", "separate_routine"} <= used
+    assert all(hasattr(CUDAGraphMode, n) or hasattr(CUDAGraphMode.FULL, n) for n in used)
+    M = CUDAGraphMode
+    assert [m.has_full_cudagraphs() for m in (M.FULL, M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY,
+                                              M.PIECEWISE, M.NONE)] == [True] * 3 + [False] * 2
+    assert [m.separate_routine() for m in (M.FULL, M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY)] \
+        == [False, True, True]
+    assert [m.has_piecewise_cudagraphs() for m in (M.FULL_AND_PIECEWISE, M.FULL,
+                                                   M.FULL_DECODE_ONLY)] == [True, False, False]
+    assert "cudagraph_mode.has_full_cudagraphs()\n            and not " \
+        "cudagraph_mode.separate_routine()" in inspect.getsource(
+            importlib.import_module(MANAGER).PCPManager.validate_config)

@@ -301,15 +301,14 @@ def _unverified_refusals(vllm_config) -> list[str]:
                    "ranks is not verified with vllm-pcp; drop it (without it the experts are "
                    "sharded over the -tp x -pcp ranks and every rank's rows line up) or drop "
                    "-pcp")
-    if getattr(cache, "calculate_kv_scales", False):
-        out.append("--calculate-kv-scales: each PCP rank would take the KV scales from its "
-                   "own chunks' keys; drop it or drop -pcp")
-    pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config",
-                          None)
-    if getattr(pass_config, "enable_sp", False):
-        out.append("--compilation-config pass_config.enable_sp (sequence parallelism; "
-                   "fuse_gemm_comms turns it on): split steps run a local token count it "
-                   "does not scatter over -tp; turn both off or drop -pcp")
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "enable_hc_sp", False):
+        out.append("--enable-hc-sp (sequence parallelism of HyperConnection layers): its "
+                   "token scatter over -tp is not verified with vllm-pcp's local batches; "
+                   "drop it or drop -pcp")
+    if getattr(parallel, "enable_batch_sharded_sampling", None):
+        out.append("--enable-batch-sharded-sampling: not verified with vllm-pcp's restored "
+                   "batches; drop it or drop -pcp")
     return out
 
 
