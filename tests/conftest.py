@@ -27,10 +27,17 @@ def _no_pinned_memory_without_cuda(monkeypatch):
     the CPU tests run vLLM's PCP manager on the CPU."""
     import torch
 
-    if not torch.cuda.is_available():
-        import vllm.utils.torch_utils as torch_utils
+    if torch.cuda.is_available():
+        return
+    import vllm.utils.torch_utils  # noqa: F401  (the flag's home, imported first)
+    from vllm.v1.utils import CpuGpuBuffer
 
-        monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)
+    for name, module in list(sys.modules.items()):  # modules that copied the flag too
+        if name.startswith("vllm") and getattr(module, "PIN_MEMORY", None) is True:
+            monkeypatch.setattr(module, "PIN_MEMORY", False)
+    defaults = CpuGpuBuffer.__init__.__kwdefaults__
+    if defaults and defaults.get("pin_memory"):
+        monkeypatch.setitem(defaults, "pin_memory", False)
 
 
 def pytest_addoption(parser):

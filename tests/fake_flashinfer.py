@@ -1,12 +1,12 @@
 """FlashInfer's wrappers and merges as the plugin drives them, computed by the plain-torch
 reference kernels (``tests/reference.py``), for the CPU tests.
 
-:func:`fake_flashinfer` keeps FlashInfer's contract as the plugin uses it: ``out`` must
-have the planned ``o_data_type`` (by default the query dtype), results are written into
-it, the merges take 16-bit values, and no wrapper plans a batch of no rows (no rank of a
-step the manager splits has a kernel without rows). ``dtypes`` names the output dtypes
-FlashInfer builds kernels for: 16-bit ones (it builds no float32-output kernel), or with
-float32 added, so that float32 inputs check the index logic to 1e-5.
+:func:`fake_flashinfer` keeps FlashInfer's contract as the plugin uses it: ``out``, where
+given, must have the planned ``o_data_type`` (by default the query dtype) and results
+are written into it, the merges take 16-bit values, and no wrapper plans a batch of no
+rows (no rank of a step the manager splits has a kernel without rows). ``dtypes`` names
+the output dtypes FlashInfer builds kernels for: 16-bit ones (it builds no float32-output
+kernel), or with float32 added, so that float32 inputs check the index logic to 1e-5.
 """
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ class _Wrapper:
         assert self.o_dtype in self.dtypes, "FlashInfer JIT: no such output dtype"
 
     def _finish(self, out, lse, into, return_lse, lse_into=None):
-        assert into is not None and into.dtype == self.o_dtype, "out must be o_data_type"
+        if into is None:  # FlashInfer allocates the output
+            into = torch.empty(out.shape, dtype=self.o_dtype, device=out.device)
+        assert into.dtype == self.o_dtype, "out must be o_data_type"
         into.copy_(out)
         if lse_into is not None:  # FlashInfer checks shape, dtype and device only
             assert lse_into.shape == lse.shape and lse_into.dtype == torch.float32

@@ -1,9 +1,11 @@
-"""Pure properties of the PCP x DCP attention plan (numerics: test_distributed_cpu.py)."""
+"""Pure properties of the PCP x DCP attention plan (numerics: test_dcp_attention_cpu.py,
+test_distributed_cpu.py), on steps split as vLLM's PCP manager splits them under ``-pcp N
+-dcp N`` (``tests/dcp_harness.py``: ``build_dcp_plan`` of the manager's step)."""
 import numpy as np
 import pytest
 import torch
 
-from vllm_pcp.dcp.plan import build_dcp_plan
+from dcp_harness import dcp_plan, dcp_step
 from vllm_pcp.dcp.layout import dcp_local_seq_len
 
 COMPUTED = [0, 37, 0, 5, 60, 21, 300]
@@ -12,7 +14,7 @@ SCHEDULED = [2, 90, 1, 200, 1, 3, 64]
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
 def test_collective_sizes_match_on_every_rank(world, interleave):
-    plans = [build_dcp_plan(COMPUTED, SCHEDULED, world, r, interleave, min_split_tokens=8)
+    plans = [dcp_plan(COMPUTED, SCHEDULED, world, r, interleave, min_split=8)
              for r in range(world)]
     padded = plans[0].pcp.num_padded_tokens_per_rank
     rep_tokens = {len(p.ctx_replicated.query_index) for p in plans}
@@ -28,17 +30,36 @@ def test_collective_sizes_match_on_every_rank(world, interleave):
 
 
 def test_context_rows_are_exactly_the_requests_with_context():
-    plan = build_dcp_plan(COMPUTED, SCHEDULED, 2, 0, 1, min_split_tokens=8)
+    plan = dcp_plan(COMPUTED, SCHEDULED, 2, 0, 1, min_split=8)
     with_context = {i for i, c in enumerate(COMPUTED) if c > 0}
     split = {i for i, s in enumerate(SCHEDULED) if s >= 8}
+    assert set(np.flatnonzero(plan.pcp.split.numpy())) == split  # the manager's split
     assert set(plan.ctx_split.req.tolist()) == with_context & split
     assert set(plan.ctx_replicated.req.tolist()) == with_context - split
     # Split rows read the gathered buffer: one head and one tail chunk per request and rank.
     assert len(plan.ctx_split.req) == 2 * 2 * len(with_context & split)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_every_request_has_a_row_on_every_rank(world):
+    """With ``-dcp`` the manager splits only chunks of at least 2N tokens and keeps
+    decodes on every rank: every request of a step has a local row on every rank, which
+    the builder reads its block table from (``PCPStep.first_local_row``)."""
+    rng = np.random.default_rng(world)
+    for _ in range(30):
+        num_reqs = int(rng.integers(1, 6))
+        computed = rng.integers(0, 400, num_reqs) * rng.integers(0, 2, num_reqs)
+        scheduled = np.where(rng.random(num_reqs) < 0.3, 1, rng.integers(1, 6 * world,
+                                                                         num_reqs))
+        for rank in range(world):
+            step = dcp_step(computed, scheduled, world, rank, int(rng.integers(2, 40)))
+            first = step.first_local_row()
+            assert (first >= 0).all(), (computed, scheduled, rank)
+            assert (step.plan.row_req_indices.numpy()[first] == np.arange(num_reqs)).all()
+
+
 def test_new_part_reads_the_steps_tokens_up_to_each_row_end():
-    plan = build_dcp_plan(COMPUTED, SCHEDULED, 2, 1, 1, min_split_tokens=8)
+    plan = dcp_plan(COMPUTED, SCHEDULED, 2, 1, 1, min_split=8)
     token_start = np.cumsum(SCHEDULED) - SCHEDULED
     indptr = plan.new_kv_indptr
     for j in range(plan.pcp.num_rows):
@@ -55,7 +76,7 @@ def test_paged_kv_layout_lists_each_rows_pages():
     indptr, indices, last = paged_kv_layout(torch.tensor([17, 16]), table, 16)
     assert indptr.tolist() == [0, 2, 3]
     assert indices.tolist() == [7, 8, 3] and last.tolist() == [1, 16]
-    plan = build_dcp_plan([5, 40], [1, 64], 4, 3, 8, min_split_tokens=8)
+    plan = dcp_plan([5, 40], [1, 64], 4, 3, 8, min_split=8)
     # Rank 3 owns none of the 5 context tokens of request 0 (tokens 24..31 are its first).
     kept = kept_rows(plan.ctx_replicated)
     assert plan.ctx_replicated.kv_len.tolist() == [0] and len(kept.req) == 0
@@ -83,26 +104,24 @@ def test_a_mixed_step_reads_its_decode_rows_as_one_run():
     decode call's queries and its partials are each one run of rows, so the layers
     read and write them as views (no gather or scatter kernels per layer)."""
     from vllm_pcp.dcp.index import positions_in, rows_index
+    from vllm_pcp.dcp.plan import build_dcp_plan
 
+    step = dcp_step([9000, 9001, 9002, 8192], [1, 1, 1, 8000], 2, 1, 8192,
+                    prefill_lens=[9000, 9001, 9002, 16384],
+                    is_prefilling=[False, False, False, True])
+    assert step.plan.split.tolist() == [False, False, False, True]
     for context_exchange in ("keys", "queries"):
-        plan = build_dcp_plan([9000, 9001, 9002, 8192], [1, 1, 1, 8000], 2, 1, 8,
-                              min_split_tokens=8192, prefill_lens=[9001, 9002, 9003, 16384],
-                              context_exchange=context_exchange, kv_to_q_heads=0.125)
+        plan = build_dcp_plan(step, 8, context_exchange=context_exchange, kv_to_q_heads=0.125)
         rep = plan.ctx_replicated.query_index
         assert rows_index(rep, "cpu") == slice(0, 3)
         assert rows_index(positions_in(rep, rep), "cpu") == slice(0, 3)
-
-
-def test_rejects_a_rank_outside_the_group():
-    with pytest.raises(ValueError):
-        build_dcp_plan(COMPUTED, SCHEDULED, 2, 2, 1)
 
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
 def test_decode_steps_fold_the_new_token_into_the_shard(world, interleave):
     # the first request's last rank owns exactly one token: the new one
     computed = [interleave * (world - 1), 40, 300]
-    plans = [build_dcp_plan(computed, [1, 1, 1], world, r, interleave) for r in range(world)]
+    plans = [dcp_plan(computed, [1, 1, 1], world, r, interleave) for r in range(world)]
     for p in plans:
         d = p.decode
         assert d.query_index.tolist() == [0, 1, 2] and d.req.tolist() == [0, 1, 2]
@@ -121,7 +140,12 @@ def test_decode_steps_fold_the_new_token_into_the_shard(world, interleave):
     ([], [])])            # nothing scheduled
 def test_steps_that_cannot_fold_keep_the_general_plan(computed, scheduled):
     for rank in range(2):  # the same answer on every rank: the collectives differ
-        assert build_dcp_plan(computed, scheduled, 2, rank, 16).decode is None
+        assert dcp_plan(computed, scheduled, 2, rank, 16).decode is None
+
+
+# a decode (its context longer than the others: it may be written in the step, but a
+# decode is never split) and split chunks over equal contexts, which all may fetch
+FETCHING = dict(computed=[37, 37, 60, 37, 37], scheduled=[90, 200, 1, 3, 64])
 
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 8)])
@@ -130,30 +154,33 @@ def test_fetched_context_rows_rebuild_each_context_in_order(world, interleave):
     a split row's keys are then its whole context in order, then its new tokens."""
     from vllm_pcp.dcp.layout import dcp_local_offset, dcp_owner
 
-    plans = [build_dcp_plan(COMPUTED, SCHEDULED, world, r, interleave, min_split_tokens=8,
-                            context_exchange="keys") for r in range(world)]
+    computed, scheduled = FETCHING["computed"], FETCHING["scheduled"]
+    plans = [dcp_plan(computed, scheduled, world, r, interleave, context_exchange="keys")
+             for r in range(world)]
     gathers = [p.ctx_gather for p in plans]
+    split = np.flatnonzero(plans[0].pcp.split.numpy()).tolist()
+    assert gathers[0].req.tolist() == split and 2 not in split
     assert len({g.num_padded for g in gathers}) == 1  # one all-gather size everywhere
     padded = gathers[0].num_padded
     blocks = []
     for rank, g in enumerate(gathers):  # what each rank sends: (request, position)
         sent = []
         for req, n in zip(g.req.tolist(), g.local_len.tolist()):
-            pos = torch.arange(COMPUTED[req])
+            pos = torch.arange(computed[req])
             mine = pos[dcp_owner(pos, world, interleave) == rank]
             assert torch.equal(dcp_local_offset(mine, world, interleave), torch.arange(n))
             sent += [(req, int(t)) for t in mine]
         blocks += sent + [None] * (padded - len(sent))
-    step_tokens = sum(SCHEDULED)
-    starts = np.cumsum(SCHEDULED) - SCHEDULED
+    step_tokens = sum(scheduled)
+    starts = np.cumsum(scheduled) - scheduled
     for p in plans:
         assert len(p.ctx_split.query_index) == 0  # nothing left for the query exchange
         index, indptr = p.new_kv_token_index.numpy(), p.new_kv_indptr.numpy()
         for j, req in enumerate(p.pcp.row_req_indices.tolist()):
             keys = index[indptr[j]:indptr[j + 1]]
             fetched = [blocks[k - step_tokens] for k in keys if k >= step_tokens]
-            if req in gathers[0].req.tolist():
-                assert fetched == [(req, t) for t in range(COMPUTED[req])]
+            if req in split:
+                assert fetched == [(req, t) for t in range(computed[req])]
             else:
                 assert fetched == []
             new = keys[len(fetched):]
@@ -162,19 +189,19 @@ def test_fetched_context_rows_rebuild_each_context_in_order(world, interleave):
 
 def test_auto_moves_keys_only_when_they_are_fewer_bytes():
     computed, scheduled = [4096], [4096]  # Pc = 2048 context rows, P = 2048 queries
-    keys = build_dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="auto",
-                          kv_to_q_heads=2 / 16)
+    keys = dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="auto",
+                    kv_to_q_heads=2 / 16)
     assert keys.ctx_gather is not None and keys.ctx_gather.num_padded == 2048
-    long_context = build_dcp_plan([120_000], [4096], 2, 0, 1, context_exchange="auto",
-                                  kv_to_q_heads=2 / 16)  # 60,000 x 1/8 > 2,048
+    long_context = dcp_plan([120_000], [4096], 2, 0, 1, context_exchange="auto",
+                            kv_to_q_heads=2 / 16)  # 60,000 x 1/8 > 2,048
     assert long_context.ctx_gather is None and len(long_context.ctx_split.query_index)
-    mha = build_dcp_plan(computed, scheduled, 2, 1, 1, context_exchange="auto",
-                         kv_to_q_heads=1.0)  # 2048 x 1 <= 2048: keys
+    mha = dcp_plan(computed, scheduled, 2, 1, 1, context_exchange="auto",
+                   kv_to_q_heads=1.0)  # 2048 x 1 <= 2048: keys
     assert mha.ctx_gather is not None
-    assert build_dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="queries",
-                          kv_to_q_heads=0.01).ctx_gather is None
+    assert dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="queries",
+                    kv_to_q_heads=0.01).ctx_gather is None
     with pytest.raises(ValueError, match="context_exchange"):
-        build_dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="kv")
+        dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="kv")
 
 
 @pytest.mark.parametrize("world,interleave,exchange", [(2, 1, "keys"), (2, 8, "queries"),
@@ -187,13 +214,13 @@ def test_gathered_index_reads_the_exchange_buffer_as_the_step_index_reads_step_o
     from helpers import ThreadGroup
     from vllm_pcp.pcp.exchange import gather_kv
 
-    computed, scheduled = [300, 0, 45, 7], [64, 7, 30, 1]
+    computed, scheduled = [45, 45, 45, 45], [64, 7, 30, 1]
     num_tokens = sum(scheduled)
     group = ThreadGroup(world)
 
     def rank_fn(rank):
-        plan = build_dcp_plan(computed, scheduled, world, rank, interleave, min_split_tokens=2,
-                              context_exchange=exchange)
+        plan = dcp_plan(computed, scheduled, world, rank, interleave,
+                        context_exchange=exchange)
         ids = plan.pcp.local_token_indices.double().view(-1, 1, 1)
         context, rows = None, 0
         if plan.ctx_gather is not None:
@@ -209,3 +236,31 @@ def test_gathered_index_reads_the_exchange_buffer_as_the_step_index_reads_step_o
         assert (exchange == "keys") == (plan.ctx_gather is not None)
         got = buf.index_select(0, plan.new_kv_gathered_index).long()
         assert torch.equal(got, plan.new_kv_token_index)
+
+
+@pytest.mark.parametrize("world,dcp,policy", [(2, 2, "auto"), (3, 3, "auto"), (2, 1, "auto"),
+                                              (3, 1, "shard"), (4, 1, "replicate")])
+def test_the_harness_step_is_the_managers(world, dcp, policy):
+    """The steps these tests plan (``helpers.pcp_step``) are the ones vLLM's partition
+    with ``GQAPCPManager`` makes of the same batch: the same split on every rank, the
+    same ``gathered``."""
+    from helpers import pcp_settings, pcp_step
+    from manager_harness import descriptor, global_batch, managers
+
+    rng = np.random.default_rng(world * 10 + dcp)
+    settings = pcp_settings(world, dcp, decode_policy=policy)
+    for _ in range(10):
+        num_reqs = int(rng.integers(1, 6))
+        computed = rng.integers(0, 300, num_reqs) * rng.integers(0, 2, num_reqs)
+        scheduled = np.where(computed > 0, rng.integers(1, 3, num_reqs),
+                             rng.integers(1, 8 * world, num_reqs))
+        ranks = managers(world, settings)
+        for rank, manager in enumerate(ranks):
+            step = manager.partition_batch(global_batch(computed, scheduled),
+                                           descriptor()).pcp.step
+            mine = pcp_step(computed, scheduled, world, rank, settings=settings)
+            assert step.gathered == mine.gathered and step.pcp_rank == mine.pcp_rank
+            for theirs, ours in zip(step.plans, mine.plans):
+                for field in ("local_token_indices", "restore_indices", "seq_lens",
+                              "row_req_indices", "split"):
+                    assert torch.equal(getattr(theirs, field), getattr(ours, field))

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_pcp.pcp.partition import build_pcp_metadata, split_requests
+from vllm_pcp.pcp.partition import (build_pcp_metadata, build_pcp_metadata_all_ranks,
+                                    decode_owners, min_chunk_tokens, split_requests)
 
 
 def _random_batch(rng, max_len=5000, max_reqs=6):
@@ -34,20 +35,37 @@ def _global_positions(computed, scheduled):
 BATCHES = [(seed, world) for seed in range(40) for world in (2, 3, 4, 8)]
 
 
+def _is_prefilling(computed, scheduled):
+    """vLLM's is_prefilling of ``_random_batch``: its one-token steps over context decode."""
+    return ~((np.asarray(scheduled) == 1) & (np.asarray(computed) > 0))
+
+
 @pytest.mark.parametrize("seed,world", BATCHES)
-@pytest.mark.parametrize("by_prompt", [False, True])
-def test_every_token_owned_once_and_restored(seed, world, by_prompt):
+@pytest.mark.parametrize("variant", ["step", "by_prompt", "shard", "padded"])
+def test_every_token_owned_once_and_restored(seed, world, variant):
+    """Whatever is split, replicated or sharded, and however far every rank is padded,
+    each token is kept in exactly one gathered row and restored from it."""
     rng = np.random.default_rng(seed)
     computed, scheduled = _random_batch(rng)
     kw = {}
-    if by_prompt:  # prompts longer than this step's part: some split, some replicated
+    if variant == "by_prompt":  # prompts longer than this step's part: some split
         kw = dict(min_split_tokens=3000, prefill_lens=np.add(computed, scheduled)
                   + rng.integers(0, 3000, len(scheduled)))
+    elif variant == "shard":  # decodes on one rank each, chunks below 4N on every rank
+        kw = dict(shard_decodes=True, is_prefilling=_is_prefilling(computed, scheduled),
+                  min_chunk_tokens=4 * world)
     metas = _all_ranks(computed, scheduled, world, **kw)
+    if variant == "padded":  # a CUDA graph's size: more rows per rank than any needs
+        padded = metas[0].num_padded_tokens_per_rank + int(rng.integers(1, 50))
+        metas = build_pcp_metadata_all_ranks(computed, scheduled, world,
+                                             num_padded_tokens_per_rank=padded)
     num_tokens = sum(scheduled)
     padded = metas[0].num_padded_tokens_per_rank
     for m in metas:  # every collective size is the same on every rank
-        assert m.num_padded_tokens_per_rank == padded == max(m.num_tokens_per_rank)
+        assert m.num_padded_tokens_per_rank == padded >= max(m.num_tokens_per_rank)
+        assert (padded == max(m.num_tokens_per_rank)) == (variant != "padded")
+        assert len(m.gathered_token_indices) == world * padded
+        assert len(m.model_input_indices) == padded
         assert m.num_tokens_per_rank == metas[0].num_tokens_per_rank
         assert torch.equal(m.restore_indices, metas[0].restore_indices)
         assert torch.equal(m.gathered_token_indices, metas[0].gathered_token_indices)
@@ -175,3 +193,89 @@ def test_rejects_bad_input():
         build_pcp_metadata([0, 1], [4], 2, 0)
     with pytest.raises(ValueError):
         build_pcp_metadata([0], [-1], 2, 0)
+
+
+@pytest.mark.parametrize("seed,world", BATCHES[::4])
+def test_shard_decodes_puts_each_decode_on_one_rank(seed, world):
+    """``shard_decodes``: the i-th decode of the step (a request past its prefill that is
+    not split) is computed by rank ``i % N`` alone, and restored from it; unsplit prefills
+    stay on every rank, restored from rank 0; split requests are split as without it."""
+    rng = np.random.default_rng(3000 + seed)
+    computed, scheduled = _random_batch(rng)
+    prefilling = _is_prefilling(computed, scheduled)
+    kw = dict(min_chunk_tokens=4 * world, is_prefilling=prefilling)
+    metas = _all_ranks(computed, scheduled, world, shard_decodes=True, **kw)
+    replicated = _all_ranks(computed, scheduled, world, **kw)
+    split = metas[0].split.numpy()
+    decodes = np.flatnonzero(~split & ~prefilling)
+    token_start = np.cumsum(scheduled) - scheduled
+    padded = metas[0].num_padded_tokens_per_rank
+    for req in range(len(scheduled)):
+        ranks = [r for r, m in enumerate(metas) if req in m.row_req_indices.tolist()]
+        token = int(token_start[req])
+        if split[req]:
+            assert ranks == [r for r, m in enumerate(replicated)
+                             if req in m.row_req_indices.tolist()]
+        elif req in decodes:
+            owner = int(np.flatnonzero(decodes == req)[0]) % world
+            assert ranks == [owner]
+            assert int(metas[0].restore_indices[token]) // padded == owner
+        else:
+            assert ranks == list(range(world))
+            assert int(metas[0].restore_indices[token]) // padded == 0
+    assert decode_owners(split, prefilling, world, True)[decodes].tolist() == [
+        i % world for i in range(len(decodes))]
+
+
+def test_decode_owners():
+    split = np.array([False, True, False, False, False])
+    prefilling = np.array([False, True, True, False, False])
+    assert decode_owners(split, prefilling, 2, True).tolist() == [0, -1, -1, 1, 0]
+    assert decode_owners(split, prefilling, 3, True).tolist() == [0, -1, -1, 1, 2]
+    assert decode_owners(split, prefilling, 2, False).tolist() == [-1] * 5
+    assert decode_owners(split, None, 2, True).tolist() == [-1] * 5  # no state: everywhere
+
+
+def test_a_decode_step_sharded_over_more_ranks_than_decodes():
+    """Two decodes over 4 ranks: ranks 2 and 3 get no token; every rank runs one row."""
+    metas = _all_ranks([10, 20], [1, 1], 4, shard_decodes=True, is_prefilling=[False, False])
+    assert [m.num_local_tokens for m in metas] == [1, 1, 0, 0]
+    assert metas[0].num_padded_tokens_per_rank == 1
+    assert [m.model_input_indices.tolist() for m in metas] == [[0], [1], [0], [0]]
+    assert metas[0].restore_indices.tolist() == [0, 1]
+    assert metas[0].gathered_token_indices.tolist() == [0, 1, -1, -1]
+
+
+def test_the_split_field_names_the_split_requests():
+    computed, scheduled, prompts = [0, 40, 8000, 0], [5000, 1, 40, 3], [5000, 40, 20000, 3]
+    for m in _all_ranks(computed, scheduled, 2, min_split_tokens=4096, prefill_lens=prompts):
+        assert m.split.dtype == torch.bool
+        assert m.split.tolist() == [True, False, True, False] == split_requests(
+            scheduled, 4096, prompts).tolist()
+        assert m.num_split_requests == 2 and m.is_split
+    assert not _all_ranks([40], [1], 2)[0].split.any()
+
+
+def test_padding_below_the_largest_rank_is_refused():
+    with pytest.raises(ValueError, match="fewer than the 8 tokens"):
+        build_pcp_metadata_all_ranks([0], [16], 2, num_padded_tokens_per_rank=7)
+    metas = build_pcp_metadata_all_ranks([0], [16], 2, num_padded_tokens_per_rank=8)
+    assert metas[0].num_padded_tokens_per_rank == 8
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_split_rows_keep_the_kernel_one_gpu_attends_them_with(world):
+    """vLLM's FlashInfer attends a row of at most ``decode_threshold`` (1) query tokens
+    with its decode kernel, a longer one with its prefill kernel. With the shortest
+    split chunk of DCP = 1 (:func:`min_chunk_tokens`, 4N) every row of a split chunk is
+    longer than that, a shorter chunk stays whole, decodes stay decodes."""
+    assert min_chunk_tokens(world, 1) == 4 * world
+    computed, prompts = [30, 6000, 6000, 8000], [30, 6003, 6000 + 4 * world - 1, 20000]
+    scheduled = np.array([1, 3, 4 * world - 1, 4 * world])
+    for meta in _all_ranks(computed, scheduled, world, min_split_tokens=2 * world,
+                           prefill_lens=prompts, min_chunk_tokens=min_chunk_tokens(world, 1)):
+        assert meta.split.tolist() == [False, False, False, True]
+        q_lens = np.diff(meta.query_start_loc.numpy())
+        one_gpu_decode = scheduled[meta.row_req_indices.numpy()] <= 1
+        assert ((q_lens <= 1) == one_gpu_decode).all()
+        assert meta.num_decode_rows == int(one_gpu_decode.sum())

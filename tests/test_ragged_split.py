@@ -1,17 +1,15 @@
 """The ragged kernel of fresh split steps at DCP = 1 (:mod:`vllm_pcp.pcp.ragged`) on the
 CPU: the key rows it names, the layer that gathers, writes and attends with it (FlashInfer
-replaced by the reference kernels), and where the runner chooses it."""
-import sys
+replaced by the reference kernels), and where the plugin's builder chooses it."""
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from vllm.v1.attention.backends.flashinfer import FlashInferImpl
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMetadataBuilder
 
-from helpers import ThreadGroup
-from test_dcp_attention_cpu import SIXTEEN_BIT, _fake_flashinfer, _torch_cache_write
+import fake_flashinfer
+from helpers import pcp_settings, pcp_step
 from vllm_pcp.config import PCPConfigError
 from vllm_pcp.knobs import PCPKnobs
 from vllm_pcp.pcp.partition import build_pcp_metadata
@@ -23,9 +21,8 @@ FRESH = [37, 2, 100, 16, 5]
 
 @pytest.fixture
 def float32_flashinfer(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flashinfer",
-                        _fake_flashinfer((*SIXTEEN_BIT, torch.float32)))
-    monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update", _torch_cache_write)
+    fake_flashinfer.install(monkeypatch, float32=True)
+    monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update", fake_flashinfer.torch_cache_write)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
@@ -51,27 +48,29 @@ def test_fresh_steps():
     assert not is_fresh_step([0, 5]) and not is_fresh_step([])
 
 
-@pytest.mark.parametrize("world,scheduled", [(2, FRESH), (3, FRESH), (4, [64, 9]),
-                                             (8, [200, 1, 33]), (3, [2]), (8, [5])])
+@pytest.mark.parametrize("world,scheduled,kv_layout", [
+    (2, FRESH, "NHD"), (3, FRESH, "HND"), (4, [64, 9], "NHD"), (8, [200, 1, 33], "HND")])
 def test_the_ragged_layer_matches_one_process(float32_flashinfer, monkeypatch, world,
-                                              scheduled):
+                                              scheduled, kv_layout):
     """The plugin's layer on a fresh split step (``tests/split_harness.py``): each rank's
     restored output is one process's causal attention, and every rank's cache holds
-    every token of the step. A 2-token prompt over 3 ranks and a 5-token one over 8
-    leave ranks without tokens (the runner never splits chunks that short)."""
+    every token of the step."""
     from split_harness import run_ragged_split_step
+    from vllm_pcp.backend import PCPRaggedMetadata
 
     results, expect = run_ragged_split_step(monkeypatch, world, scheduled, "cpu",
-                                            torch.float32, hq=8, hkv=2, dim=16)
+                                            torch.float32, hq=8, hkv=2, dim=16,
+                                            kv_layout=kv_layout)
     for rank, result in enumerate(results):
+        assert isinstance(result.metadata, PCPRaggedMetadata)
+        assert result.plan.is_split and result.plan.num_local_tokens > 0
         torch.testing.assert_close(result.restored, expect, atol=1e-5, rtol=1e-5)
         assert result.cache_written, rank
 
 
-def test_a_rank_without_rows_still_gathers_and_writes(float32_flashinfer, monkeypatch):
-    """A 2-token prompt kept whole (below the split threshold) beside nothing else has
-    no split: the runner never plans it. A rank without local rows plans no kernel,
-    writes zeros, and still joins the exchange."""
+def test_a_rank_without_rows_plans_no_ragged_kernel(float32_flashinfer, monkeypatch):
+    """The ragged plan of a rank without local rows (the builder gives such a rank
+    ``PCPEmptyMetadata`` before it gets here) plans no kernel and attends nothing."""
     from vllm_pcp.pcp.ragged import RaggedSplitAttention
 
     plan = SimpleNamespace(num_rows=0, num_local_tokens=0)
@@ -85,19 +84,24 @@ def test_a_rank_without_rows_still_gathers_and_writes(float32_flashinfer, monkey
 
 def test_the_knob():
     assert PCPKnobs.from_additional_config({}).split_attention == "auto"
+    assert PCPKnobs.from_additional_config({"pcp_split_attention": None}).split_attention \
+        == "auto"  # null: the default
     assert PCPKnobs.from_additional_config(
         {"pcp_split_attention": "paged"}).split_attention == "paged"
-    for bad in ("ragged", None, 1):
+    for bad in ("ragged", 1):
         with pytest.raises(PCPConfigError, match="pcp_split_attention"):
             PCPKnobs.from_additional_config({"pcp_split_attention": bad})
 
 
-def _builder(**settings):
+def _builder(split_attention="auto", **settings):
+    """The plugin's builder of a ``-pcp 2`` group (the fields its ragged choice reads)."""
     from vllm_pcp.backend import PCPFlashInferMetadataBuilder
 
     builder = object.__new__(PCPFlashInferMetadataBuilder)
     values = dict(cache_dtype="auto", window_left=-1, logits_soft_cap=None, has_sinks=False,
-                  global_hyperparameters=SimpleNamespace(has_same_all_params=True))
+                  global_hyperparameters=SimpleNamespace(has_same_all_params=True),
+                  pcp_world_size=2, pcp_dcp=False,
+                  pcp_settings=pcp_settings(2, split_attention=split_attention))
     values.update(settings)
     builder.__dict__.update(values)
     return builder
@@ -105,6 +109,7 @@ def _builder(**settings):
 
 def test_groups_whose_settings_the_ragged_plan_does_not_carry_stay_paged():
     assert _builder().can_attend_ragged()
+    assert not _builder(split_attention="paged").can_attend_ragged()
     assert not _builder(cache_dtype="fp8").can_attend_ragged()
     assert not _builder(window_left=4095).can_attend_ragged()
     assert not _builder(logits_soft_cap=30.0).can_attend_ragged()
@@ -113,37 +118,31 @@ def test_groups_whose_settings_the_ragged_plan_does_not_carry_stay_paged():
         has_same_all_params=False)).can_attend_ragged()
 
 
-@pytest.mark.parametrize("computed,knob,ragged_ok,ragged", [
-    ([0, 0, 0, 0], "auto", True, True),
-    ([0, 0, 0, 0], "paged", True, False),  # the knob keeps the paged kernel
-    ([0, 0, 0, 0], "auto", False, False),  # a group whose settings the plan lacks
-    ([30, 0, 0, 12], "auto", True, False),  # decodes and a continuation: context
+@pytest.mark.parametrize("computed,scheduled,knob,ragged", [
+    ([0, 0, 0, 0], [40, 37, 2, 9], "auto", True),
+    ([0, 0, 0, 0], [40, 37, 2, 9], "paged", False),  # the knob keeps the paged kernel
+    ([30, 0, 0, 12], [1, 37, 2, 9], "auto", False),  # a decode and a continuation: context
+    ([0, 0], [3, 5], "auto", False),  # fresh, but nothing split: no K/V exchange
 ])
-def test_the_runner_plans_the_ragged_kernel_on_fresh_steps(monkeypatch, computed, knob,
-                                                           ragged_ok, ragged):
-    from test_runner_cpu import _make_runner
+def test_the_builder_plans_the_ragged_kernel_on_fresh_split_steps(monkeypatch, computed,
+                                                                  scheduled, knob, ragged):
+    """The builder takes FlashInfer's ragged kernel on a step that splits fresh prompts
+    (with the knob ``auto`` and layers it can plan), vLLM's own plan on any other."""
+    from vllm_pcp.backend import PCPEmptyMetadata, PCPRaggedMetadata
 
-    runner = _make_runner(ThreadGroup(2), 1)
-    runner.pcp_split_attention = knob
-    runner.input_batch.num_computed_tokens_cpu = np.array(computed, np.int32)
-    runner.input_batch.num_prompt_tokens = np.array([40, 37, 2, 21], np.int32)
-    builder = runner.attn_groups[0][0].get_metadata_builder(0)
-    planned = []
-    builder.can_attend_ragged = lambda: ragged_ok
-    builder.build_ragged = lambda plan, scheduled: planned.append(
-        (plan, list(scheduled))) or SimpleNamespace(num_local_tokens=plan.num_local_tokens)
-    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
-    scheduled = [40, 37, 2, 9] if not any(computed) else [1, 37, 2, 9]
-    runner.positions = torch.cat([c + torch.arange(s) for c, s in zip(computed, scheduled)])
-    runner._prepare_inputs(None, np.array(scheduled, np.int32))
-    plan = runner._step.plan
-    slots = torch.arange(sum(scheduled), dtype=torch.int64) * 3 + 5
-    metadata, _ = runner._build_attention_metadata(slot_mappings={0: slots})
-    split = metadata["l0"]
-    assert metadata["l1"] is split
+    monkeypatch.setattr(FlashInferMetadataBuilder, "build",
+                        lambda self, prefix, cm, fast_build=False: "vLLM's plan")
+    builder, planned = _builder(knob), []
+    builder._plan_ragged = lambda step: planned.append(step) or "ragged"
+    step = pcp_step(computed, scheduled, 2, 1, min_split_tokens=8)
+    cm = SimpleNamespace(num_actual_tokens=step.plan.num_local_tokens, slot_mapping="slots")
+    metadata = builder.build(0, cm, pcp_step=step)
     if ragged:
-        assert split.local is None and planned == [(plan, scheduled)]
-        assert split.num_actual_tokens == plan.num_local_tokens
+        assert isinstance(metadata, PCPRaggedMetadata) and planned == [step]
+        assert (metadata.slot_mapping, metadata.ragged) == ("slots", "ragged")
     else:
-        assert split.ragged is None and split.local is not None and not planned
-    assert runner.pcp_step_counts.ragged_steps == int(ragged)
+        assert metadata == "vLLM's plan" and not planned
+    assert builder.build(0, cm) == "vLLM's plan"  # dummy and capture runs: no step
+    empty = builder.build(0, SimpleNamespace(num_actual_tokens=0, slot_mapping="slots"),
+                          pcp_step=step)
+    assert isinstance(empty, PCPEmptyMetadata) and empty.slot_mapping == "slots"

@@ -1,33 +1,33 @@
 """Same-step prefix hits under -dcp: context that the step itself writes.
 
-vLLM 0.26.0 caches a request's blocks when it allocates them, so request B,
-scheduled beside request A, can count as context tokens that A computes in the
-same step, on A's blocks. The ``keys`` context exchange reads context from the
-cache before the step's cache write; such a request must take the queries road.
+vLLM caches a request's blocks when it allocates them, so request B, scheduled beside
+request A, can count as context tokens that A computes in the same step, on A's blocks.
+The ``keys`` context exchange reads context from the cache before the step's cache
+write; such a request must take the queries road. ``build_dcp_plan`` keeps every request
+that ``context_maybe_written_in_step`` flags from fetching: a request is flagged when
+another request of the step writes at positions inside its context (a superset of the
+real hits, from the scheduler output alone).
 
-One DCP step is emulated in the order of ``PCPFlashInferImpl.do_kv_cache_update``
-(read the context, all-gather it with the new K/V, write the cache, attend),
-with the plugin's plan, its ``DCPAttention`` on the reference kernels and its
-K/V exchange, over per-rank paged shards whose blocks A and B share; outputs
-are compared with plain full attention.
+One DCP step is emulated in the order of the plugin's layer (read the context, all-gather
+it with the new K/V, write the cache, attend), with the plugin's plan, its
+``DCPAttention`` on the reference kernels and its K/V exchange, over per-rank paged shards
+whose blocks A and B share; outputs are compared with plain full attention.
 """
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from helpers import ThreadGroup
-from test_dcp_attention_cpu import float32_flashinfer  # noqa: F401  (fixture)
-from test_runner_cpu import _make_runner
-from vllm_pcp.dcp.attention import DCPAttention
-from vllm_pcp.dcp.plan import build_dcp_plan
-from vllm_pcp.dcp.prefix import context_written_in_step
-from vllm_pcp.pcp.exchange import gather_kv, restore_hidden_states
-from vllm_pcp.dcp.layout import dcp_local_offset, dcp_owner
+import vllm_pcp.dcp.plan as plan_mod
+from dcp_harness import dcp_plan, dcp_step
+from helpers import ThreadGroup, restore
 from reference import causal_attention
+from test_dcp_attention_cpu import float32_flashinfer  # noqa: F401  (fixture)
+from vllm_pcp.dcp.attention import DCPAttention
+from vllm_pcp.dcp.layout import dcp_local_offset, dcp_owner
+from vllm_pcp.dcp.plan import build_dcp_plan, context_maybe_written_in_step
+from vllm_pcp.pcp.exchange import gather_kv
 
 HQ, HKV, DIM, PAGE = 8, 2, 16, 8
 
@@ -67,7 +67,7 @@ def _shared_prefix_step(world, context_blocks):
     return computed, scheduled, written_before, table, [(k_a, v_a), (k_b, v_b)], q
 
 
-def _expected(computed, scheduled, kv, q):
+def _expected(scheduled, kv, q):
     outs, start = [], 0
     for (k, v), s in zip(kv, scheduled):
         outs.append(causal_attention(q[start:start + s], k, v)[0])
@@ -75,11 +75,9 @@ def _expected(computed, scheduled, kv, q):
     return torch.cat(outs)
 
 
-def _emulate_dcp_step(world, interleave, exchange, step, use_flags=True):
+def _emulate_dcp_step(world, interleave, exchange, step_data):
     """Each rank's plan and restored output ``[T, HQ, DIM]`` for one DCP step."""
-    computed, scheduled, written_before, table, kv, q = step
-    flags = (context_written_in_step(computed, scheduled, table.numpy(), PAGE, world,
-                                     interleave) if use_flags else None)
+    computed, scheduled, written_before, table, kv, q = step_data
     k_step = torch.cat([k[c:] for (k, _), c in zip(kv, computed)])
     v_step = torch.cat([v[c:] for (_, v), c in zip(kv, computed)])
     positions = torch.cat([c + torch.arange(s) for c, s in zip(computed, scheduled)])
@@ -88,9 +86,9 @@ def _emulate_dcp_step(world, interleave, exchange, step, use_flags=True):
     group = ThreadGroup(world)
 
     def rank_fn(rank):
-        plan = build_dcp_plan(computed, scheduled, world, rank, interleave,
-                              context_exchange=exchange, kv_to_q_heads=HKV / HQ,
-                              context_written_in_step=flags)
+        step = dcp_step(computed, scheduled, world, rank)
+        plan = build_dcp_plan(step, interleave, context_exchange=exchange,
+                              kv_to_q_heads=HKV / HQ)
         # the cache before the step: stale slots, then what earlier steps wrote
         stale = torch.Generator().manual_seed(rank)
         cache = tuple(torch.randn(int(table.max()) + 1, PAGE, HKV, DIM, generator=stale)
@@ -99,10 +97,10 @@ def _emulate_dcp_step(world, interleave, exchange, step, use_flags=True):
             _write(cache, table[r], torch.arange(n), k[:n], v[:n], rank, world, interleave)
         attn = DCPAttention(torch.empty(0), HQ, HKV, DIM, PAGE, torch.float32,
                             1 / math.sqrt(DIM))
-        step = attn.plan(plan, table)
+        planned = attn.plan(plan, table)
         pcp, local = plan.pcp, plan.pcp.local_token_indices
         context_rows = 0 if plan.ctx_gather is None else plan.ctx_gather.num_padded
-        context = step.read_context(cache)  # read before the write, as the backend does
+        context = planned.read_context(cache)  # read before the write, as the layer does
         k_buf, v_buf = gather_kv(group.rank(rank), k_step[local], v_step[local],
                                  pcp.num_padded_tokens_per_rank, context, context_rows)
         padded = pcp.num_padded_tokens_per_rank
@@ -112,10 +110,8 @@ def _emulate_dcp_step(world, interleave, exchange, step, use_flags=True):
             mine = req_of_token == r
             _write(cache, table[r], positions[mine], k_buf[rows[mine]], v_buf[rows[mine]],
                    rank, world, interleave)
-        out = attn.run(step, group.rank(rank), q[local], k_buf, v_buf, cache)
-        restored = restore_hidden_states(group.rank(rank), out.reshape(len(local), HQ * DIM),
-                                         padded, pcp.restore_indices)
-        return plan, restored.reshape(-1, HQ, DIM)
+        out = attn.run(planned, group.rank(rank), q[local], k_buf, v_buf, cache)
+        return plan, restore(group.rank(rank), out, step)
 
     return group.run(rank_fn)
 
@@ -129,7 +125,7 @@ def test_same_step_prefix_hits_match_full_attention(float32_flashinfer, world, i
     under every context exchange; A (context written earlier) may still fetch."""
     step = _shared_prefix_step(world, context_blocks)
     computed, scheduled, _, _, kv, q = step
-    expect = _expected(computed, scheduled, kv, q)
+    expect = _expected(scheduled, kv, q)
     a_rows, b_rows = slice(0, scheduled[0]), slice(scheduled[0], None)
     for plan, out in _emulate_dcp_step(world, interleave, exchange, step):
         torch.testing.assert_close(out[a_rows], expect[a_rows], atol=1e-5, rtol=1e-5)
@@ -140,176 +136,80 @@ def test_same_step_prefix_hits_match_full_attention(float32_flashinfer, world, i
             assert fetched == [0] and 0 not in plan.ctx_split.req.tolist()
 
 
-def test_without_the_flags_keys_read_stale_context(float32_flashinfer):
+def test_without_the_flags_keys_read_stale_context(float32_flashinfer, monkeypatch):
     """The emulation sees the fault: B fetching its context before A's write."""
+    monkeypatch.setattr(plan_mod, "context_maybe_written_in_step",
+                        lambda computed, scheduled: np.zeros(len(computed), dtype=bool))
     step = _shared_prefix_step(2, 1)
-    computed, scheduled, _, _, kv, q = step
-    expect = _expected(computed, scheduled, kv, q)
-    for plan, out in _emulate_dcp_step(2, 1, "keys", step, use_flags=False):
+    _, scheduled, _, _, kv, q = step
+    expect = _expected(scheduled, kv, q)
+    for plan, out in _emulate_dcp_step(2, 1, "keys", step):
         assert plan.ctx_gather.req.tolist() == [0, 1]
         assert (out[scheduled[0]:] - expect[scheduled[0]:]).abs().max() > 0.1
+
+
+def _written_in_context(computed, scheduled):
+    """Brute force of ``context_maybe_written_in_step``: request i is flagged when another
+    request writes a position of i's context ``[0, C_i)`` in this step (its positions
+    ``[C_j, C_j + S_j)``), position by position."""
+    writes = [set(range(c, c + s)) for c, s in zip(computed, scheduled)]
+    return [any(writes[j] & set(range(computed[i])) for j in range(len(computed)) if j != i)
+            for i in range(len(computed))]
+
+
+def test_context_maybe_written_in_step_matches_the_positions_other_requests_write():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        num_reqs = int(rng.integers(0, 6))
+        computed = rng.integers(0, 60, num_reqs) * rng.integers(0, 2, num_reqs)
+        scheduled = rng.integers(0, 40, num_reqs) * (rng.random(num_reqs) < 0.9)
+        got = context_maybe_written_in_step(computed, scheduled)
+        assert got.dtype == bool and got.shape == (num_reqs,)
+        assert got.tolist() == _written_in_context(computed.tolist(), scheduled.tolist()), (
+            computed, scheduled)
+
+
+def test_the_flags_of_some_steps():
+    assert context_maybe_written_in_step([0, 32], [40, 5]).tolist() == [False, True]
+    # n > 1: three samples of one prompt, the first computes it, the others hit it
+    assert context_maybe_written_in_step([0, 32, 32], [33, 1, 1]).tolist() == [
+        False, True, True]
+    # equal contexts: no request writes inside another's
+    assert context_maybe_written_in_step([64, 64], [8, 30]).tolist() == [False, False]
+    # a request scheduling nothing writes nothing
+    assert context_maybe_written_in_step([0, 32], [0, 5]).tolist() == [False, False]
+    assert context_maybe_written_in_step([], []).tolist() == []
 
 
 @pytest.mark.parametrize("exchange", ["keys", "auto"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_split_context_is_fetched_or_queried_never_both(exchange, world):
-    """Random flags: on every rank each split request with context is in exactly one
-    of the K/V gather and the query rows; a flagged one never fetches."""
+    """Random steps: on every rank each split request with context is in exactly one of
+    the K/V gather and the query rows; a flagged one never fetches."""
     rng = np.random.default_rng(world)
-    computed, scheduled = [300, 0, 45, 7, 2000], [64, 7, 30, 1, 48]
     for _ in range(8):
-        flags = rng.random(len(computed)) < 0.5
+        computed = rng.choice([0, 7, 45, 300, 2000], 5)
+        scheduled = rng.integers(1, 80, 5)
+        flags = context_maybe_written_in_step(computed, scheduled)
         for rank in range(world):
-            plan = build_dcp_plan(computed, scheduled, world, rank, 4, context_exchange=exchange,
-                                  kv_to_q_heads=0.125, context_written_in_step=flags)
+            plan = dcp_plan(computed, scheduled, world, rank, 4, context_exchange=exchange,
+                            kv_to_q_heads=0.125)
+            with_context = np.flatnonzero(plan.pcp.split.numpy() & (computed > 0))
             fetched = set() if plan.ctx_gather is None else set(plan.ctx_gather.req.tolist())
             queried = set(plan.ctx_split.req.tolist())
-            assert not fetched & queried and fetched | queried == {0, 2, 4}
+            assert not fetched & queried and fetched | queried == set(with_context.tolist())
             assert not fetched & set(np.flatnonzero(flags).tolist())
 
 
-def test_auto_sizes_only_the_requests_that_may_fetch():
-    """A long flagged context no longer pushes the step's other split chunk to queries."""
+def test_auto_sizes_only_the_requests_that_may_fetch(monkeypatch):
+    """A long flagged context does not push the step's other split chunk to queries."""
     computed, scheduled = [120_000, 16], [4096, 4096]  # 60,008 x 1/8 > 4,096 queries
-    unflagged = build_dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="auto",
-                               kv_to_q_heads=2 / 16)
-    assert unflagged.ctx_gather is None
-    flagged = build_dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="auto",
-                             kv_to_q_heads=2 / 16,
-                             context_written_in_step=np.array([True, False]))
+    flagged = dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="auto",
+                       kv_to_q_heads=2 / 16)
     assert flagged.ctx_gather.req.tolist() == [1] and flagged.ctx_gather.num_padded == 8
     assert set(flagged.ctx_split.req.tolist()) == {0}
-
-
-SPAN = 16  # PAGE * 2 ranks: positions of one block-table entry
-
-
-def _flags(computed, scheduled, table, world=2, interleave=1, block_size=PAGE):
-    return context_written_in_step(computed, scheduled, np.array(table, np.int32),
-                                   block_size, world, interleave).tolist()
-
-
-def test_a_prefix_hit_on_blocks_the_step_writes():
-    # B's two context blocks are A's first two, which A computes now
-    assert _flags([0, 2 * SPAN], [2 * SPAN + 3, 5], [[1, 2, 3], [1, 2, 4]]) == [False, True]
-    # n > 1: three samples of one prompt, the first computes it
-    table = [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
-    assert _flags([0, 2 * SPAN, 2 * SPAN], [2 * SPAN + 1] + [1, 1], table) == [False, True, True]
-
-
-def test_blocks_written_in_earlier_steps_are_no_hit():
-    # A decodes past the shared blocks; B's context in them was written before
-    assert _flags([3 * SPAN, 2 * SPAN], [1, 20], [[1, 2, 3, 0], [1, 2, 4, 5]]) == [False, False]
-    # the same block ids elsewhere in the table rows: no sharing, no hit
-    assert _flags([SPAN, SPAN], [SPAN, SPAN], [[1, 2, 0], [3, 4, 0]]) == [False, False]
-
-
-def test_a_requests_own_boundary_block_is_no_hit():
-    # context 5 and 10 new tokens in block 1: read and written by the request itself
-    assert _flags([5], [10], [[1, 0]]) == [False]
-    assert _flags([5, 0], [10, 4], [[1, 0], [2, 0]]) == [False, False]
-
-
-def test_only_the_tested_requests_are_reported():
-    table, computed, scheduled = [[1, 2, 3], [1, 2, 4], [1, 2, 5]], [0, SPAN, SPAN], [40, 9, 9]
-    assert _flags(computed, scheduled, table) == [False, True, True]
-    tested = np.array([True, False, True])
-    assert context_written_in_step(computed, scheduled, np.array(table), PAGE, 2, 1,
-                                   tested).tolist() == [False, False, True]
-
-
-def test_an_empty_step_and_one_request():
-    assert _flags([], [], np.zeros((0, 4))) == []
-    assert _flags([40], [8], [[1, 2, 3, 4]]) == [False]
-
-
-@pytest.mark.parametrize("world,interleave,block_size", [(1, 1, 16), (2, 1, 8), (2, 8, 8),
-                                                         (4, 4, 8), (3, 2, 4), (2, 8, 4)])
-def test_the_block_test_equals_a_per_token_one(world, interleave, block_size):
-    """Random steps with shared blocks: a hit iff a context token of the request
-    lies, on the rank that stores it, in a block where another request writes a
-    token this step (token by token)."""
-    rng = np.random.default_rng(world * 100 + interleave * 10 + block_size)
-    span = block_size * world
-    for _ in range(40):
-        num_reqs = int(rng.integers(2, 5))
-        computed = rng.integers(0, 4 * span, num_reqs)
-        scheduled = rng.integers(1, 3 * span, num_reqs)
-        blocks = -(-(computed + scheduled) // span) + 1
-        table = np.zeros((num_reqs, int(blocks.max())), np.int32)
-        for r in range(num_reqs):
-            table[r, :blocks[r]] = 100 * (r + 1) + np.arange(blocks[r])
-            donor = int(rng.integers(0, num_reqs))
-            shared = min(int(rng.integers(0, 4)), blocks[r], blocks[donor])
-            table[r, :shared] = table[donor, :shared]
-        got = context_written_in_step(computed, scheduled, table, block_size, world,
-                                      interleave)
-        assert got.tolist() == _per_token_hits(computed, scheduled, table, block_size,
-                                               world, interleave)
-
-
-def _per_token_hits(computed, scheduled, table, block_size, world, interleave):
-    def blocks(r, first, end):
-        pos = torch.arange(int(first), int(end))
-        entry = dcp_local_offset(pos, world, interleave) // block_size
-        return {int(table[r, e]) for e in entry}
-
-    written = [blocks(r, c, c + s) for r, (c, s) in enumerate(zip(computed, scheduled))]
-    return [any(blocks(i, 0, computed[i]) & written[j] for j in range(len(computed)) if j != i)
-            for i in range(len(computed))]
-
-
-def _dcp_runner(monkeypatch, exchange, tables, computed, scheduled):
-    """Rank 0 of -pcp 2 -dcp 2 (interleave 8, kernel block 16): a step of two
-    requests with these block tables, one per KV cache group."""
-    runner = _make_runner(ThreadGroup(2), 0)
-    runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
-    runner.pcp_dcp_context_exchange = exchange
-    runner.input_batch = SimpleNamespace(
-        num_reqs=2, num_computed_tokens_cpu=np.array(computed, np.int32),
-        num_prompt_tokens=np.array(computed, np.int32) + np.array(scheduled, np.int32),
-        block_table=[SimpleNamespace(get_numpy_array=lambda t=t: np.array(t, np.int32),
-                                     block_size=16) for t in tables])
-    runner.kv_cache_config = SimpleNamespace(kv_cache_groups=[object()] * len(tables))
-    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("idx", None))
-    runner._prepare_inputs(None, np.array(scheduled, np.int32))
-    return runner._step.plan
-
-
-# A (32 tokens of context in block 1) computes blocks 2 and 3; B hits blocks 1 and 2.
-STEP = dict(computed=[32, 64], scheduled=[48, 20])
-SHARED, UNSHARED = [[1, 2, 3, 0], [1, 2, 4, 0]], [[1, 2, 3, 0], [5, 6, 4, 0]]
-
-
-@pytest.mark.parametrize("exchange", ["keys", "auto", "queries"])
-def test_the_flags_reach_the_plan(monkeypatch, exchange):
-    """B's split rows send their queries; A still fetches its context unless the
-    knob says queries ("auto" fetches at 2 kv heads per 16 query heads)."""
-    plan = _dcp_runner(monkeypatch, exchange, [SHARED], **STEP)
-    fetched = [] if plan.ctx_gather is None else plan.ctx_gather.req.tolist()
-    assert fetched == ([] if exchange == "queries" else [0])
-    assert set(plan.ctx_split.req.tolist()) == ({0, 1} if exchange == "queries" else {1})
-    control = _dcp_runner(monkeypatch, exchange, [UNSHARED], **STEP)
-    if exchange != "queries":
-        assert control.ctx_gather.req.tolist() == [0, 1]
-        assert not len(control.ctx_split.query_index)
-
-
-def test_steps_without_a_split_context_read_no_block_table(monkeypatch):
-    """Decode steps (and splits without context) skip the test: no host time."""
-    def unread():
-        raise AssertionError("block table read")
-
-    runner = _make_runner(ThreadGroup(2), 0)
-    runner.pcp_dcp, runner.cp_kv_cache_interleave_size = True, 8
-    runner.pcp_dcp_context_exchange = "keys"
-    runner.input_batch.block_table = [SimpleNamespace(get_numpy_array=unread, block_size=16)]
-    assert runner._context_written_in_step(np.array([30, 9]), np.array([1, 1]),
-                                           np.array([30, 9])) is None
-    assert runner._context_written_in_step(np.array([0, 9]), np.array([40, 1]),
-                                           np.array([40, 9])) is None
-
-
-def test_a_hit_in_any_kv_cache_group_counts(monkeypatch):
-    plan = _dcp_runner(monkeypatch, "keys", [UNSHARED, SHARED], **STEP)
-    assert plan.ctx_gather.req.tolist() == [0] and set(plan.ctx_split.req.tolist()) == {1}
+    monkeypatch.setattr(plan_mod, "context_maybe_written_in_step",
+                        lambda computed, scheduled: np.zeros(len(computed), dtype=bool))
+    unflagged = dcp_plan(computed, scheduled, 2, 0, 1, context_exchange="auto",
+                         kv_to_q_heads=2 / 16)
+    assert unflagged.ctx_gather is None  # sized with the long one: queries for both

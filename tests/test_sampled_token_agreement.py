@@ -1,17 +1,17 @@
 """The check mode VLLM_PCP_CHECK_SAMPLED_TOKENS (vllm_pcp.pcp.agreement), on the CPU:
-the comparison of gathered ids, and the runner's ``_sample`` hook driven for the ranks
-of a thread group as tests/test_runner_cpu.py drives the runner."""
+the comparison of gathered ids, and the runner's ``sample`` (vLLM's Model Runner V2's,
+with the check after it) driven for the ranks of a thread group, vLLM's own runner
+stubbed out."""
 from types import SimpleNamespace
 
 import pytest
 import torch
+import vllm.distributed.parallel_state as parallel_state
 from vllm.v1.outputs import SamplerOutput
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-import vllm_pcp.runner as runner_mod
 from helpers import ThreadGroup
 from vllm_pcp.pcp.agreement import CHECK_ENV, SampledTokenCheck, check_enabled, differing_ranks
-from vllm_pcp.runner import PCPModelRunner
+from vllm_pcp.runner import GPUModelRunner, PCPModelRunner
 from vllm_pcp.worker import PCPWorker
 
 
@@ -35,27 +35,30 @@ def test_the_environment_variable(value, on):
 
 def _runners(monkeypatch, group, env):
     """One PCPModelRunner per rank of ``group``, built through its ``__init__`` (vLLM's
-    own stubbed out) with VLLM_PCP_CHECK_SAMPLED_TOKENS set to ``env``."""
+    own stubbed out: no DCP) with VLLM_PCP_CHECK_SAMPLED_TOKENS set to ``env``."""
     if env is None:
         monkeypatch.delenv(CHECK_ENV, raising=False)
     else:
         monkeypatch.setenv(CHECK_ENV, env)
-    monkeypatch.setattr(GPUModelRunner, "__init__", lambda self, vllm_config, device: None)
-    config = SimpleNamespace(additional_config={},
-                             parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+    monkeypatch.setattr(GPUModelRunner, "__init__",
+                        lambda self, vllm_config, device: setattr(self, "dcp_size", 1))
     runners = []
     for rank in range(group.world_size):
-        monkeypatch.setattr(runner_mod, "get_pcp_group", lambda r=rank: group.rank(r))
-        runners.append(PCPModelRunner(config, torch.device("cpu")))
+        monkeypatch.setattr(parallel_state, "get_pcp_group", lambda r=rank: group.rank(r))
+        runner = PCPModelRunner(SimpleNamespace(), torch.device("cpu"))
+        runner.pcp_rank = rank
+        runners.append(runner)
     return runners
 
 
 def _sampler(ids_of):
-    """vLLM's ``_sample`` stand-in: rank r's sampled ids of the step ``ids_of(r, step)``."""
-    def sample(self, logits, spec_decode_metadata):
+    """vLLM's ``sample`` stand-in: rank r's sampled ids of the step ``ids_of(r, step)``,
+    as vLLM returns them (the sampler's output, sampled and rejected counts)."""
+    def sample(self, hidden_states, input_batch, grammar_output):
         self.steps = getattr(self, "steps", 0) + 1
-        return SamplerOutput(sampled_token_ids=ids_of(self.pcp_rank, self.steps),
-                             logprobs_tensors=None)
+        ids = ids_of(self.pcp_rank, self.steps)
+        return (SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None),
+                torch.ones(len(ids), dtype=torch.int32), None)
     return sample
 
 
@@ -71,15 +74,15 @@ def test_a_rank_that_samples_other_tokens_stops_the_step(monkeypatch):
             ids[1] = 99
         return ids
 
-    monkeypatch.setattr(GPUModelRunner, "_sample", _sampler(ids_of))
+    monkeypatch.setattr(GPUModelRunner, "sample", _sampler(ids_of))
 
     def rank_fn(rank):
         runner = runners[rank]
         for step in (1, 2):
-            out = runner._sample(torch.zeros(3, 8), None)
-            assert out.sampled_token_ids[0, 0] == 11 * step
+            out, num_sampled, _ = runner.sample(torch.zeros(3, 8), "batch", None)
+            assert out.sampled_token_ids[0, 0] == 11 * step and num_sampled.tolist() == [1] * 3
         with pytest.raises(RuntimeError) as err:
-            runner._sample(torch.zeros(3, 8), None)
+            runner.sample(torch.zeros(3, 8), "batch", None)
         return str(err.value), runner
 
     results = group.run(rank_fn)
@@ -107,22 +110,22 @@ class _MismatchingGroup:
 @pytest.mark.parametrize("env", [None, "0"])
 def test_off_by_default_no_collective_runs(monkeypatch, env):
     group = _MismatchingGroup()
-    monkeypatch.setattr(GPUModelRunner, "_sample", _sampler(
+    monkeypatch.setattr(GPUModelRunner, "sample", _sampler(
         lambda rank, step: torch.tensor([[1], [2]], dtype=torch.int32)))
     [runner] = _runners_with(monkeypatch, group, env)
     for _ in range(3):
-        runner._sample(torch.zeros(2, 8), None)
+        runner.sample(torch.zeros(2, 8), "batch", None)
     assert group.calls == 0 and runner.pcp_sampled_tokens.checked == 0
 
 
 def test_on_a_mismatching_gather_raises_with_step_and_ranks(monkeypatch):
     group = _MismatchingGroup()
-    monkeypatch.setattr(GPUModelRunner, "_sample", _sampler(
+    monkeypatch.setattr(GPUModelRunner, "sample", _sampler(
         lambda rank, step: torch.tensor([[1], [2]], dtype=torch.int32)))
     [runner] = _runners_with(monkeypatch, group, "1")
     with pytest.raises(RuntimeError, match=r"step 1: the sampled token ids of PCP ranks "
                        r"\[1\] differ from rank 0's"):
-        runner._sample(torch.zeros(2, 8), None)
+        runner.sample(torch.zeros(2, 8), "batch", None)
     assert group.calls == 1
 
 

@@ -1,249 +1,151 @@
-"""Split steps whose ranks hold unequal or no local tokens, through the runner.
+"""Steps whose ranks hold unequal or no local tokens, through vLLM's PCP manager and the
+plugin's layer at DCP = 1.
 
-A split chunk shorter than 2N tokens leaves ranks with no local tokens at N >= 3;
-a decode beside a split prefill gives ranks unequal counts at any N. Every rank runs
-the model on ``P`` rows (its local tokens, then pad rows), so that collectives inside
-the model line up: vLLM 0.26.0's fused MoE with PCP all-gathers the hidden states
-over the PCP group and reduce-scatters the expert sums
-(``fused_moe/runner/moe_runner.py``, ``_maybe_dispatch`` / ``_maybe_combine``).
+A decode beside a split prefill gives ranks unequal counts; under ``pcp_decode_policy
+shard`` a step of fewer decodes than ranks leaves ranks without tokens. vLLM's manager
+runs every rank on ``P`` rows (its local tokens, then pad rows), so that the collectives
+inside the model line up: the plugin's K/V all-gather before the cache write, and vLLM's
+fused MoE over the PCP group (``fused_moe/runner/moe_runner.py``: all-gather the rows,
+reduce-scatter the expert sums).
 
-Without CP vs with CP: a one-layer model (K/V exchange and cache write through
-``PCPFlashInferImpl``, attention, a MoE whose experts are sharded over the ranks)
-must restore, on every rank, what one process computes, and write every token's K/V
-exactly once.
+Without CP vs with CP: a one-layer model (the cache write and attention through
+``PCPFlashInferImpl`` with vLLM's FlashInfer kernels replaced by plain torch, a MoE whose
+experts are sharded over the ranks) must restore, on every rank, what one process
+computes, and write every token's K/V exactly once on every rank.
 """
-import os
-import socket
-import threading
-from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from vllm.v1.attention.backends.flashinfer import FlashInferImpl
+from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMetadataBuilder
 
-import vllm_pcp.backend as backend_mod
-import vllm_pcp.runner as runner_mod
-from helpers import ThreadGroup
-from test_runner_cpu import _make_runner
-from vllm_pcp.backend import PCPFlashInferImpl, PCPFlashInferMetadataBuilder, PCPSplitMetadata
-from vllm_pcp.pcp.partition import build_pcp_metadata
-from vllm_pcp.runner import PCPStep
+from helpers import ThreadGroup, pcp_settings
+from manager_harness import SLOT_BASE
 
-ZERO_TOKEN_STEPS = {  # (computed, scheduled): some rank gets no local token
-    3: ([40], [2]), 4: ([16384], [2]), 8: ([70], [5])}
-UNEQUAL_STEPS = {  # a decode beside a split prefill: local counts differ by one
-    2: ([30, 0], [1, 9]), 4: ([30, 12], [1, 13])}
-
-
-class _Builder(PCPFlashInferMetadataBuilder):
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        cm = common_attn_metadata
-        return SimpleNamespace(num_actual_tokens=cm.num_actual_tokens)
+STEPS = {  # (computed, scheduled, decode policy, N): what the ranks get
+    "shard-decodes": ([10, 20], [1, 1], "shard", 3),  # rank 2: no token
+    "shard-decodes-4": ([10, 20, 30], [1, 1, 1], "shard", 4),  # rank 3: no token
+    "decode-beside-split": ([30, 0], [1, 17], "replicate", 2),  # 10 and 9 tokens
+    "shard-beside-split": ([30, 12, 40], [1, 24, 1], "shard", 3),  # 9, 9, 8 tokens
+    "replicated-decodes": ([30, 12, 40], [1, 1, 1], "replicate", 3),  # no collective
+}
 
 
 def _expert(h: torch.Tensor, expert: int) -> torch.Tensor:
-    return torch.tanh(h * (expert + 1))
+    return torch.tanh(h * (expert + 1) / 100)
 
 
 def _moe(group, x: torch.Tensor) -> torch.Tensor:
-    """vLLM's PCP MoE: all-gather the rows, this rank's expert over all of them,
-    reduce-scatter the sums (blocks of ``len(x)`` rows, rank order)."""
-    rank, world = group.rank_in_group, group.world_size
+    """vLLM's MoE over the PCP group: all-gather the rows, this rank's expert over all of
+    them, reduce-scatter the sums (blocks of ``len(x)`` rows, rank order)."""
+    rank = group.rank_in_group
     mine = _expert(group.all_gather(x, dim=0), rank)
     summed = group.all_gather(mine.unsqueeze(0), dim=0).sum(0)
     return summed[rank * len(x):(rank + 1) * len(x)]
 
 
-def _one_process(input_ids, positions, world):
-    x = torch.stack([input_ids.float(), positions.float()], dim=1)
-    h = 3 * x  # attention (2 x, the fake kernel) plus the residual
-    return sum(_expert(h, e) for e in range(world))
+def _one_process(batch, world):
+    x = torch.stack([batch.input_ids.float(), batch.positions.float()], dim=1)
+    return sum(_expert(3 * x, e) for e in range(world))  # attention is 2 x, plus x
 
 
-def _fake_stock_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                        output_scale=None, output_block_scale=None):
+def _stock_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                   output_scale=None, output_block_scale=None):
+    """vLLM's FlashInfer forward stand-in: ``2 * query`` on the batch's rows; its output
+    buffer is torch.empty, so the pad rows hold anything (NaN here)."""
     n = attn_metadata.num_actual_tokens
-    output.fill_(float("nan"))  # vLLM's output buffer is torch.empty: pad rows hold anything
+    output.fill_(float("nan"))
     output[:n] = 2 * query[:n]
     return output
 
 
-def _step_inputs(computed, scheduled):
-    positions = torch.cat([c + torch.arange(s) for c, s in zip(computed, scheduled)])
-    input_ids = torch.arange(len(positions)) * 7 + 1
-    slots = torch.arange(len(positions), dtype=torch.int64) * 3 + 5
-    return input_ids, positions, slots
+def _run_step(monkeypatch, name):
+    """Every rank's restored output, written slots, local batch and manager."""
+    import vllm.v1.worker.gpu.pcp_manager as pcp_manager
 
+    import vllm_pcp.backend as backend
+    from layer_harness import _RankContext, make_impl
+    from manager_harness import descriptor, global_batch, managers
+    from vllm_pcp.backend import PCPFlashInferMetadataBuilder
 
-def _run_rank(group, rank, computed, scheduled, contexts, written):
-    """One rank's split step: plan, metadata, forward; (output, model input rows)."""
-    input_ids, positions, slots = _step_inputs(computed, scheduled)
-    runner = _make_runner(SimpleNamespace(rank=lambda r: group, world_size=group.world_size),
-                          rank)
-    builder = object.__new__(_Builder)
-    runner.attn_groups = [[SimpleNamespace(layer_names=["l0"],
-                                           get_metadata_builder=lambda i: builder)]]
-    runner.positions = positions
-    runner.input_batch.num_reqs = len(scheduled)
-    plan = build_pcp_metadata(computed, scheduled, group.world_size, rank, min_split_tokens=2)
-    runner._step = PCPStep(plan)
-    metadata = runner._build_attention_metadata(slot_mappings={0: slots})[0]["l0"]
-    impl = object.__new__(PCPFlashInferImpl)
-    impl.pcp_world_size, impl.dcp_world_size = group.world_size, 1
-    layer = SimpleNamespace(metadata=metadata)
-    model_rows = []
-
-    def model(input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        x = torch.stack([input_ids.float(), positions.float()], dim=1)  # [P, 2]
-        model_rows.append(len(x))
-        kv = x.unsqueeze(1)
-        impl.do_kv_cache_update(layer, kv, kv, rank, "vllm's local slot mapping")
-        out = impl.forward(layer, x, kv, kv, None, metadata, torch.empty_like(x))
-        assert torch.isfinite(out).all()  # pad rows included: MoE routing reads them
-        return _moe(group, out + x)
-
-    runner.model = model
-    contexts.ctx = SimpleNamespace(slot_mapping=None, cudagraph_runtime_mode=None,
-                                   batch_descriptor=None, is_padding=None)
-    return runner._model_forward(input_ids, positions), model_rows, plan
-
-
-def _patch_layers(monkeypatch, written):
-    monkeypatch.setattr(FlashInferImpl, "forward", _fake_stock_forward)
+    computed, scheduled, policy, world = STEPS[name]
+    group, ctx, written = ThreadGroup(world), _RankContext(), {}
+    monkeypatch.setattr(FlashInferImpl, "forward", _stock_forward)
     monkeypatch.setattr(FlashInferImpl, "do_kv_cache_update",
-                        lambda self, layer, k, v, cache, slots: written.__setitem__(
-                            cache, dict(zip(slots.tolist(), k[:, 0].tolist()))))
-    monkeypatch.setattr(backend_mod, "_layer_metadata", lambda layer: layer.metadata)
+                        lambda self, layer, k, v, cache, slots: written.setdefault(
+                            cache, []).extend(zip(slots.tolist(), k[:len(slots), 0].tolist())))
+    monkeypatch.setattr(FlashInferMetadataBuilder, "build", lambda self, prefix, cm, fast=False:
+                        SimpleNamespace(num_actual_tokens=cm.num_actual_tokens))
+    monkeypatch.setattr(backend, "get_pcp_group", lambda: ctx.group)
+    monkeypatch.setattr(pcp_manager, "get_pcp_group", lambda: ctx.group)
+    monkeypatch.setattr(backend, "_layer_metadata", lambda layer: ctx.metadata)
+    impls = [make_impl(monkeypatch, world, r, 1, 1, 2, dcp=1) for r in range(world)]
+    ranks = managers(world, pcp_settings(world, decode_policy=policy))
+    builder = object.__new__(PCPFlashInferMetadataBuilder)
+    builder.__dict__.update(pcp_dcp=False, pcp_world_size=world, pcp_settings=ranks[0].settings)
+
+    def rank_fn(rank):
+        ctx.set(group=group.rank(rank))
+        manager, impl = ranks[rank], impls[rank]
+        batch = global_batch(computed, scheduled)
+        local = manager.partition_batch(batch, descriptor())
+        slots = SLOT_BASE + torch.arange(batch.num_tokens, dtype=torch.int64).unsqueeze(0)
+        slot_mapping = manager._convert_to_gathered_slot_mappings(slots)[0].clone()
+        metadata = builder.build(0, SimpleNamespace(num_actual_tokens=local.num_tokens,
+                                                    slot_mapping=slot_mapping),
+                                 pcp_step=local.pcp.step)
+        ctx.set(metadata=metadata)
+        x = torch.stack([local.input_ids.float(), local.positions.float()], dim=1)  # [P, 2]
+        kv = x.unsqueeze(1)
+        impl.do_kv_cache_update(SimpleNamespace(), kv, kv, rank, slot_mapping)
+        out = impl.forward(SimpleNamespace(), kv, kv, kv, rank, metadata,
+                           torch.empty_like(kv))[:, 0]
+        assert torch.isfinite(out).all()  # pad rows included: MoE routing reads them
+        hidden = _moe(group.rank(rank), out + x)
+        return manager.restore_hidden_states(hidden), local, manager, batch
+
+    return group.run(rank_fn), written
 
 
-def _check_step(outs, rows, written, computed, scheduled, world):
-    input_ids, positions, slots = _step_inputs(computed, scheduled)
-    expect = _one_process(input_ids, positions, world)
-    for out in outs:
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_every_rank_restores_one_process_and_writes_every_token_once(monkeypatch, name):
+    computed, scheduled, policy, world = STEPS[name]
+    results, written = _run_step(monkeypatch, name)
+    batch = results[0][3]
+    expect = _one_process(batch, world)
+    rows = {local.num_tokens_after_padding for _, local, _, _ in results}
+    assert len(rows) == 1  # every rank's model input has the same length
+    x = torch.stack([batch.input_ids.float(), batch.positions.float()], dim=1)
+    for rank, (out, local, manager, _) in enumerate(results):
         torch.testing.assert_close(out, expect)
-    assert len(set(rows)) == 1  # every rank's model input has the same length
-    x = torch.stack([input_ids.float(), positions.float()], dim=1)
-    for rank in range(world):  # every token's K/V written once, at its slot, on every rank
-        kept = {s: k for s, k in written[rank].items() if s >= 0}
-        assert kept == dict(zip(slots.tolist(), x.tolist()))
+        kept = [(slot, k) for slot, k in written[rank] if slot >= 0]
+        assert sorted(slot for slot, _ in kept) == list(range(SLOT_BASE,
+                                                              SLOT_BASE + len(x)))
+        assert dict(kept) == dict(zip((SLOT_BASE + torch.arange(len(x))).tolist(), x.tolist()))
+    counts = [local.num_tokens for _, local, _, _ in results]
+    if name.startswith("shard-decodes"):
+        assert 0 in counts
+    elif name.endswith("split"):
+        assert len(set(counts)) > 1
+    else:
+        assert not results[0][1].pcp.step.gathered
 
 
-def _run_threads(monkeypatch, world, computed, scheduled):
-    group, contexts, written = ThreadGroup(world), threading.local(), {}
-    monkeypatch.setattr(runner_mod, "get_forward_context", lambda: contexts.ctx)
-    _patch_layers(monkeypatch, written)
-    results = group.run(lambda r: _run_rank(group.rank(r), r, computed, scheduled,
-                                            contexts, written))
-    outs = [out for out, _, _ in results]
-    rows = [n for _, model_rows, _ in results for n in model_rows]
-    _check_step(outs, rows, written, computed, scheduled, world)
-    return results[0][2]
-
-
-@pytest.mark.parametrize("world", sorted(ZERO_TOKEN_STEPS))
-def test_ranks_without_local_tokens_join_every_exchange(monkeypatch, world):
-    plan = _run_threads(monkeypatch, world, *ZERO_TOKEN_STEPS[world])
-    assert 0 in plan.num_tokens_per_rank
-
-
-@pytest.mark.parametrize("world", sorted(UNEQUAL_STEPS))
-def test_moe_collectives_see_the_same_rows_on_every_rank(monkeypatch, world):
-    plan = _run_threads(monkeypatch, world, *UNEQUAL_STEPS[world])
-    assert len(set(plan.num_tokens_per_rank)) > 1
-
-
-def test_a_rank_without_rows_plans_no_kernel(monkeypatch):
-    group = ThreadGroup(3)
-    runner = _make_runner(group, 1)
-    runner.positions = torch.tensor([40, 41])
-    runner.input_batch.num_reqs = 1
-    plan = build_pcp_metadata([40], [2], 3, 1, min_split_tokens=2)
-    assert plan.num_local_tokens == 0 and plan.num_padded_tokens_per_rank == 1
-    metadata, inputs = runner._build_split_metadata(plan, {0: torch.tensor([7, 8])})
-    assert isinstance(metadata["l0"], PCPSplitMetadata) and metadata["l0"].local is None
-    assert metadata["l1"] is not None
-    assert metadata["l0"].exchange.num_padded_tokens_per_rank == 1
-    assert inputs.model_input_indices.tolist() == [0]  # one pad row
-    impl = object.__new__(PCPFlashInferImpl)
-    out = impl.forward(None, None, None, None, None, metadata["l0"], torch.ones(1, 4))
-    assert (out == 0).all()
-
-
-class _GlooGroup:
-    def __init__(self):
-        self.world_size, self.rank_in_group = dist.get_world_size(), dist.get_rank()
-
-    def all_gather(self, x, dim=0):
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=dim)
-
-
-def _gloo_worker(rank, world, port, computed, scheduled, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            contexts, written = threading.local(), {}
-            monkeypatch.setattr(runner_mod, "get_forward_context", lambda: contexts.ctx)
-            _patch_layers(monkeypatch, written)
-            out, rows, _ = _run_rank(_GlooGroup(), rank, computed, scheduled, contexts,
-                                     written)
-            results[rank] = (out, rows[0], written[rank])
-    finally:
-        dist.destroy_process_group()
-
-
-def test_ranks_without_local_tokens_on_gloo_processes():
-    world, (computed, scheduled) = 3, ZERO_TOKEN_STEPS[3]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_gloo_worker, args=(world, port, computed, scheduled, results), nprocs=world,
-             join=True)
-    got = [results[r] for r in range(world)]
-    _check_step([g[0] for g in got], [g[1] for g in got], {r: g[2] for r, g in enumerate(got)},
-                computed, scheduled, world)
-
-
-@pytest.mark.parametrize("n", sorted(ZERO_TOKEN_STEPS))
-def test_step_counts_tell_which_split_steps_left_ranks_without_tokens(n):
+def test_step_counts_tell_which_steps_left_ranks_without_tokens(monkeypatch):
     """The evidence the engine checks read (``collective_rpc("pcp_step_counts")``): a
-    zero-token step is counted by every rank, as its own by the ranks that had none."""
-    computed, scheduled = ZERO_TOKEN_STEPS[n]
-    plans = [build_pcp_metadata(computed, scheduled, n, r) for r in range(n)]
-    even = build_pcp_metadata([0], [8 * n], n, 0)
-    counts = []
-    for plan in plans:
-        c = runner_mod.PCPStepCounts()
-        for step in (plan, even, None):  # None: a step the runner ran stock
-            c.count(step)
-        counts.append(c)
-    assert all((c.split_steps, c.steps_with_rank_without_tokens) == (2, 1) for c in counts)
-    empty = [r for r, p in enumerate(plans) if p.num_local_tokens == 0]
-    assert empty and [c.steps_without_local_tokens for c in counts] == [
-        int(r in empty) for r in range(n)]
+    step without local tokens is counted by the ranks that had none; a step every rank
+    computes alone is not gathered under ``replicate``, every step is under ``shard``."""
+    from dataclasses import asdict
 
+    from manager_harness import descriptor, global_batch, managers
 
-@pytest.mark.parametrize("ranks", [4, 8])
-def test_the_engine_cases_make_a_step_with_ranks_without_tokens(ranks):
-    """The engine suite's exactness cases (tests/engine/cases.py) hold a split chunk
-    shorter than 2N tokens under chunked prefill (len_4099's last), a step in which some
-    rank gets no local tokens at -pcp 4 -dcp 4 and 8."""
-    import cases
-    import worker
-    from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
-
-    chunk = worker.VARIANTS["chunked"]
-    tails = [(n - n % chunk, n % chunk) for c in cases.build_cases(33000, 32000)
-             if c["kind"] == "batch" for n in map(len, c["prompts"])
-             if n > chunk and 2 <= n % chunk < 2 * ranks]
-    plans = [build_pcp_metadata_all_ranks([c], [t], ranks, min_split_tokens=2,
-                                          prefill_lens=[c + t])[0] for c, t in tails]
-    assert plans and all(p.num_split_requests == 1 for p in plans)
-    assert any(min(p.num_tokens_per_rank) == 0 for p in plans)
+    for policy, gathered in (("shard", 3), ("replicate", 1)):
+        ranks = managers(3, pcp_settings(3, decode_policy=policy))
+        for computed, scheduled in (([10, 20], [1, 1]), ([0], [64]), ([30, 0], [1, 5])):
+            for manager in ranks:
+                manager.partition_batch(global_batch(computed, scheduled), descriptor())
+        counts = [asdict(m.step_counts) for m in ranks]
+        for rank, c in enumerate(counts):
+            assert (c["steps"], c["split_steps"], c["fresh_split_steps"]) == (3, 1, 1)
+            assert c["gathered_steps"] == gathered
+            assert c["steps_without_local_tokens"] == int(policy == "shard" and rank == 2)

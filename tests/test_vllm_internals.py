@@ -337,8 +337,11 @@ def test_real_impl_has_the_settings_the_plugin_checks(make_builder):
     assert impl.logits_soft_cap is None and impl.head_size == 64
     assert impl.alibi_slopes is None and impl.kv_sharing_target_layer_name is None
     assert impl.kv_cache_dtype == "auto" and isinstance(impl, PCPFlashInferImpl)
-    _, windowed, _ = make_builder(PCPFlashInferMetadataBuilder, sliding_window=16)
-    assert windowed.sliding_window == (15, 0)
+    from vllm_pcp.config import PCPConfigError
+
+    # vLLM keeps a window of W as (W - 1, 0): the plugin's layer check reads it back as W
+    with pytest.raises(PCPConfigError, match="a sliding window of 16 tokens"):
+        make_builder(PCPFlashInferMetadataBuilder, sliding_window=16)
 
 
 def test_attention_layer_reaches_the_impls_overrides(make_builder, monkeypatch):

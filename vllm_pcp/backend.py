@@ -269,23 +269,25 @@ def _zero_pad_rows(output: torch.Tensor, num_actual_tokens: int) -> None:
 
 def _unapplied_settings(impl: FlashInferImpl) -> list[str]:
     """The layer's settings that no attention path of vllm-pcp applies: ALiBi slopes
-    (FlashInferImpl keeps them and never reads them), a KV cache shared with another
-    layer (not verified)."""
+    (FlashInferImpl keeps them and never reads them), a sliding window (FlashInferImpl
+    keeps ``(window - 1, 0)``, ``(-1, -1)`` for none; vLLM's PCP manager gathers block
+    tables without masking freed blocks), a KV cache shared with another layer (not
+    verified)."""
     out = []
     if impl.alibi_slopes is not None:
         out.append("ALiBi slopes")
+    if impl.sliding_window not in (None, (-1, -1)):
+        out.append(f"a sliding window of {impl.sliding_window[0] + 1} tokens "
+                   "(--disable-sliding-window turns it off)")
     if impl.kv_sharing_target_layer_name is not None:
         out.append(f"its KV cache shared with {impl.kv_sharing_target_layer_name}")
     return out
 
 
 def _dcp_unplanned_settings(impl: FlashInferImpl) -> list[str]:
-    """The layer's settings that vllm-pcp's DCP attention does not plan: a sliding
-    window (FlashInferImpl keeps ``(window - 1, 0)``, ``(-1, -1)`` for none), a logits
-    soft cap, attention sinks, a quantized KV cache."""
+    """The layer's settings that vllm-pcp's DCP attention does not plan: a logits soft
+    cap, attention sinks, a quantized KV cache."""
     out = []
-    if impl.sliding_window not in (None, (-1, -1)):
-        out.append(f"a sliding window of {impl.sliding_window[0] + 1} tokens")
     if impl.logits_soft_cap:
         out.append(f"logits_soft_cap {impl.logits_soft_cap}")
     if impl.sinks is not None:

@@ -4,9 +4,11 @@
 
 1. PCP (DCP = 1): local chunk rows over a paged cache holding the whole prefix,
    ``causal=True`` (bottom-right) -- exact without a custom mask; N = 2, 3, 4, 8 ranks
-   as sequential plans on one GPU, ranks without tokens included.
+   as sequential plans on one GPU, split as vLLM's PCP manager splits them, ranks
+   without tokens (sharded decodes) included.
 2. PCP x DCP: DCPAttention over paged shards of 2, 3, 4 and 8 ranks (threads on one
-   GPU), ranks without tokens included.
+   GPU), on steps split as the manager splits them under ``-dcp`` (every request has a
+   row on every rank), one-token rows included.
 
 head_dim 64 / 128 / 256 and 1 / 2 / 8 kv heads are spread over the N = 3, 4, 8 cases
 rather than crossed (FlashInfer compiles a kernel per head_dim on first use).
@@ -16,7 +18,7 @@ import math
 import pytest
 import torch
 
-from dcp_harness import ZERO_TOKEN_STEPS, short_split_step
+from dcp_harness import dcp_plan, short_split_step
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -101,93 +103,14 @@ def test_folded_decode_on_flashinfer(world, hq, hkv, dim, rows):
     """Pure decode steps: one paged call writing out and LSE into the packed buffer,
     one all-gather, FlashInfer's merge; odd head counts check the block alignment."""
     from dcp_harness import run_dcp_step
-    from vllm_pcp.dcp.plan import build_dcp_plan
 
     computed, scheduled = [40 + 37 * i for i in range(rows)], [1] * rows
-    assert build_dcp_plan(computed, scheduled, world, 0, 8).decode is not None
+    assert dcp_plan(computed, scheduled, world, 0, 8).decode is not None
     outs, expect = run_dcp_step(world, 8, 2, "cuda", torch.bfloat16, hq=hq, hkv=hkv, dim=dim,
                                 computed=computed, scheduled=scheduled, kv_layout="HND")
     for out in outs:
         torch.testing.assert_close(out.float(), expect, **TOL)
         assert torch.equal(out, outs[0])
-
-
-@pytest.mark.parametrize("world,graph_rows", [(2, 4), (2, 8), (4, 8)])
-def test_folded_decode_on_the_graph_wrapper(world, graph_rows):
-    """The CUDA-graph decode wrapper (fixed buffers, padding rows without keys), run
-    outside a graph after planning vLLM's capture batch: the batch's rows as the reference."""
-    from dcp_harness import run_dcp_step
-
-    computed, scheduled = [40, 300, 77], [1, 1, 1]
-    outs, expect = run_dcp_step(world, 8, 2, "cuda", torch.bfloat16, hq=16, hkv=2, dim=128,
-                                computed=computed, scheduled=scheduled, kv_layout="HND",
-                                graph_rows=graph_rows)
-    for out in outs:
-        torch.testing.assert_close(out[:3].float(), expect, **TOL)
-
-
-class _MirrorGroup:
-    """Two ranks with the same partials; its all-gather (two copies) is capturable."""
-    world_size = 2
-
-    def all_gather(self, x, dim=0):
-        return torch.cat([x, x], dim=dim)
-
-
-def test_folded_decode_replays_as_a_cuda_graph():
-    """Capture the decode attention of 8 rows once; plan a batch of 3 into the fixed
-    buffers, replay: its rows equal the eager decode wrapper's."""
-    from vllm_pcp.dcp.attention import DCPAttention
-    from vllm_pcp.dcp.plan import build_dcp_plan
-
-    hq, hkv, dim, page, rows = 16, 2, 128, 16, 8
-    g = torch.Generator(device="cuda").manual_seed(0)
-    cache = tuple(torch.randn(64, hkv, page, dim, generator=g, device="cuda").bfloat16()
-                  for _ in range(2))
-    table = torch.randint(1, 64, (rows, 20), generator=g, device="cuda", dtype=torch.int32)
-
-    def attention(max_graph_rows):
-        ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-        return DCPAttention(ws, hq, hkv, dim, page, torch.bfloat16, 1 / math.sqrt(dim), "HND",
-                            max_graph_rows=max_graph_rows)
-
-    graph_attn, eager_attn, group = attention(rows), attention(0), _MirrorGroup()
-    q = torch.randn(rows, hq, dim, generator=g, device="cuda").bfloat16()
-    captured = graph_attn.plan(build_dcp_plan([16] * rows, [1] * rows, 2, 0, 8), table, rows)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as torch asks
-        graph_attn.run(captured, group, q, None, None, cache)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = graph_attn.run(captured, group, q, None, None, cache)
-
-    step = build_dcp_plan([40, 300, 77], [1, 1, 1], 2, 0, 8)
-    assert graph_attn.plan(step, table, rows).decode_wrapper is captured.decode_wrapper
-    q.copy_(torch.randn(rows, hq, dim, generator=g, device="cuda").bfloat16())
-    graph.replay()
-    eager = eager_attn.plan(step, table[:3])
-    expect = eager_attn.run(eager, group, q[:3].clone(), None, None, cache)
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out[:3].float(), expect.float(), **TOL)
-    assert not torch.equal(out[:3], torch.zeros_like(out[:3]))
-
-
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("computed,scheduled,graph_rows", [
-    (None, None, None), ([40, 300, 77], [1, 1, 1], None), ([40, 300, 77], [1, 1, 1], 4)])
-def test_dcp_inside_tp_on_flashinfer(world, computed, scheduled, graph_rows):
-    """-tp N -dcp N: each rank's query heads, gathered over the DCP group, against one
-    kv head (the 1-kv-head model under TP); each rank's heads equal the reference."""
-    from dcp_harness import COMPUTED, SCHEDULED, run_dcp_step
-
-    computed, scheduled = (computed, scheduled) if computed else (COMPUTED, SCHEDULED)
-    outs, expect = run_dcp_step(world, 8, 2, "cuda", torch.bfloat16, hq=8, hkv=1, dim=128,
-                                computed=computed, scheduled=scheduled, kv_layout="HND",
-                                graph_rows=graph_rows, heads_gathered=True)
-    out = torch.cat(outs, dim=1)[: len(expect)]
-    torch.testing.assert_close(out.float(), expect, **TOL)
 
 
 HEAD_DIMS, KV_HEADS, INTERLEAVES = (64, 128, 256), (1, 2, 8), (1, 8, 16)
@@ -247,31 +170,41 @@ PCP_KERNEL_CASES = [(world, dim, KV_HEADS[(i + j) % 3]) for i, world in enumerat
                     for j, dim in enumerate(HEAD_DIMS)]
 
 
+def pcp_short_split_step(world):
+    """A step at the split boundary of DCP = 1, 4N tokens: a fresh ``4N``-token chunk
+    (split into two-token rows), a ``4N - 1`` token chunk over context (computed whole on
+    every rank), a decode and a long chunk. ``(computed, scheduled)``."""
+    return [0, 300, 12, 9], [4 * world, 4 * world - 1, 1, 517]
+
+
 @pytest.mark.parametrize("world,dim,hkv", PCP_KERNEL_CASES)
 def test_pcp_ranks_as_sequential_plans_on_one_gpu(world, dim, hkv):
-    """-pcp N at DCP = 1, the N ranks planned one after the other on one wrapper: a
-    step of 2-token chunks (ranks 1 .. N-2 get no token at N >= 3: they plan nothing
-    and return no rows) and ``short_split_step`` (a 2N-1 token chunk, a decode).
-    Each rank's rows, placed by its local tokens, and their union over the ranks
-    equal one GPU's attention for every token of the step."""
+    """-pcp N at DCP = 1, the N ranks planned one after the other on one wrapper, as
+    vLLM's PCP manager splits the step: ``pcp_short_split_step`` and a step of decodes
+    sharded over the ranks (``pcp_decode_policy shard``: the ranks past the decodes get
+    no token, plan nothing and return no rows). Each rank's rows, placed by its local
+    tokens, and their union over the ranks equal one GPU's attention for every token of
+    the step."""
     import flashinfer
 
-    from dcp_harness import expected_output, make_batch, ranks_without_tokens
-    from vllm_pcp.pcp.partition import build_pcp_metadata_all_ranks
+    from dcp_harness import expected_output, make_batch
+    from helpers import pcp_step
 
     hq, page_size = _query_heads(hkv), 16
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
         torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
-    zero_token_step = ([1000, 0, 45], [2, 2, 2])
-    assert bool(ranks_without_tokens(*zero_token_step, world)) == (world >= 3)
-    for computed, scheduled in (zero_token_step, short_split_step(world)):
+    decodes = ([40, 17][:world - 1], [1, 1][:world - 1])
+    steps = [(*pcp_short_split_step(world), "replicate"), (*decodes, "shard")]
+    for computed, scheduled, policy in steps:
+        plans = pcp_step(computed, scheduled, world, decode_policy=policy).plans
+        assert (min(p.num_local_tokens for p in plans) == 0) == (policy == "shard")
         full, q = make_batch(hq, hkv, dim, world * 1000 + dim, computed, scheduled)
         full = [(k.bfloat16().float(), v.bfloat16().float()) for k, v in full]
         q = q.bfloat16().float()
         cache, tables = _paged_prefix_cache(full, page_size)
         expect = expected_output(full, q, computed, scheduled)
         union = torch.full_like(expect, float("nan"))
-        for meta in build_pcp_metadata_all_ranks(computed, scheduled, world):
+        for meta in plans:
             local = meta.local_token_indices
             out = _pcp_rank_attention(wrapper, meta, q[local].cuda().bfloat16(), cache,
                                       tables, page_size).float().cpu()
@@ -281,12 +214,13 @@ def test_pcp_ranks_as_sequential_plans_on_one_gpu(world, dim, hkv):
         torch.testing.assert_close(union, expect, **TOL)
 
 
-# (N, computed, scheduled, hq, hkv, dim, interleave, kv_layout): the steps that leave
-# ranks without tokens at N = 3, 4, 8, then at N = 3 and 8 one where every rank has
-# tokens, some a single one, beside a decode
+# (N, computed, scheduled, hq, hkv, dim, interleave, kv_layout): at N = 3, 4 and 8, steps
+# of chunks at the split boundary of -dcp (2N tokens: one-token rows) beside chunks
+# computed whole, decodes and long chunks
 DCP_SHORT_STEPS = _spread_shapes(
-    [(world, *step) for world in (3, 4, 8) for step in ZERO_TOKEN_STEPS[world]]
-    + [(world, *short_split_step(world)) for world in (3, 8)])
+    [(world, *step) for world in (3, 4, 8)
+     for step in (short_split_step(world), ([1000, 1000, 1000], [2 * world] * 3),
+                  ([0, 33], [2 * world, 2 * world - 1]))])
 
 
 @pytest.mark.parametrize("world,computed,scheduled,hq,hkv,dim,interleave,kv_layout",
@@ -294,13 +228,11 @@ DCP_SHORT_STEPS = _spread_shapes(
 @pytest.mark.parametrize("context_exchange", ["queries", "keys"])
 def test_dcp_short_split_steps_on_flashinfer(world, computed, scheduled, hq, hkv, dim,
                                              interleave, kv_layout, context_exchange):
-    """-pcp N -dcp N, a split step shorter than the 2N chunks: ranks without tokens
-    plan no new-part kernel, still serve every collective, and every rank restores
-    one GPU's attention."""
-    from dcp_harness import ranks_without_tokens, run_dcp_step
+    """-pcp N -dcp N, split chunks of 2N tokens (one token per row on every rank) beside
+    chunks one token shorter, computed whole: every rank restores one GPU's attention."""
+    from dcp_harness import run_dcp_step
 
-    if (computed, scheduled) in ZERO_TOKEN_STEPS[world]:
-        assert ranks_without_tokens(computed, scheduled, world)
+    assert dcp_plan(computed, scheduled, world, 0, interleave).pcp.is_split
     outs, expect = run_dcp_step(world, interleave, 2, "cuda", torch.bfloat16, hq=hq, hkv=hkv,
                                 dim=dim, computed=computed, scheduled=scheduled,
                                 kv_layout=kv_layout, context_exchange=context_exchange)
@@ -318,11 +250,9 @@ DCP_DECODE_STEPS = [(3, 1, True, 8, 1, 64, "HND"), (3, 8, True, 16, 8, 256, "NHD
 def test_dcp_decode_steps_at_three_and_eight_ranks_on_flashinfer(world, interleave, folded,
                                                                  hq, hkv, dim, kv_layout):
     from dcp_harness import run_dcp_step
-    from vllm_pcp.dcp.plan import build_dcp_plan
 
     computed, scheduled = [40, 17, 77, 300], [1, 1, 1, 1]
-    assert (build_dcp_plan(computed, scheduled, world, 0, interleave).decode
-            is not None) == folded
+    assert (dcp_plan(computed, scheduled, world, 0, interleave).decode is not None) == folded
     outs, expect = run_dcp_step(world, interleave, 2, "cuda", torch.bfloat16, hq=hq, hkv=hkv,
                                 dim=dim, computed=computed, scheduled=scheduled,
                                 kv_layout=kv_layout)
@@ -333,20 +263,17 @@ def test_dcp_decode_steps_at_three_and_eight_ranks_on_flashinfer(world, interlea
 
 @pytest.mark.parametrize("world,interleave,dim", [(2, 1, 128), (4, 8, 64), (3, 16, 256)])
 def test_dcp_fetched_and_queried_context_in_one_step_on_flashinfer(world, interleave, dim):
-    """A step whose split requests reach their context both ways: one written in this
-    step (a same-step prefix hit: queries), the others fetched with the new K/V."""
+    """A step whose split requests reach their context both ways: the one whose context
+    another request may write in this step sends its queries, the other fetches its
+    context with the new K/V."""
     from dcp_harness import run_dcp_step
-    from vllm_pcp.dcp.plan import build_dcp_plan
 
-    computed, scheduled = [300, 64, 0, 40], [96, 200, 50, 1]
-    written = [False, True, False, False]
-    plan = build_dcp_plan(computed, scheduled, world, 0, interleave, context_exchange="keys",
-                          context_written_in_step=written)
+    computed, scheduled = [64, 300, 80], [96, 200, 1]
+    plan = dcp_plan(computed, scheduled, world, 0, interleave, context_exchange="keys")
     assert plan.ctx_gather is not None and plan.ctx_gather.req.tolist() == [0]
     assert set(plan.ctx_split.req.tolist()) == {1}
     outs, expect = run_dcp_step(world, interleave, 2, "cuda", torch.bfloat16, hq=16, hkv=2,
                                 dim=dim, computed=computed, scheduled=scheduled,
-                                kv_layout="HND", context_exchange="keys",
-                                context_written_in_step=written)
+                                kv_layout="HND", context_exchange="keys")
     for out in outs:
         torch.testing.assert_close(out.float(), expect, **TOL)

@@ -22,10 +22,10 @@ were live at once:
                 queries [N * P, Hq, D] and their partials to and from every rank
     restore     hidden states: [N * P, H] gathered, [T, H] in scheduler order
 
-``"auto"`` may take either exchange in a step, so it is held to the larger (it takes
-"keys" only where that moves fewer bytes). A forced "keys" exchange in a step whose split
-chunks have several long contexts moves more context rows than one max_model_len: the bound
-covers one.
+``"keys"`` and ``"auto"`` may fetch some split requests' context and send the queries of
+others (whose context the step may write) in one step, so they are held to both at once. A
+forced "keys" exchange in a step whose split chunks have several long contexts moves more
+context rows than one max_model_len: the bound covers one.
 """
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def ragged_layer_bytes(s: StepShape) -> int:
 
 
 def restore_bytes(s: StepShape) -> int:
-    """:func:`vllm_pcp.pcp.exchange.restore_hidden_states`: the padded local rows,
-    every rank's rows gathered, and the step's rows in scheduler order."""
+    """vLLM's restore of the hidden states (``PCPManager.restore_hidden_states``): the
+    local rows, every rank's rows gathered, and the step's rows in scheduler order."""
     return s.hidden_size * s.dtype_bytes * (s.rows * (1 + s.pcp) + s.tokens)
 
 
@@ -90,28 +90,30 @@ def _partials_bytes(s: StepShape, rows: int, blocks: int = 1) -> int:
 
 
 def dcp_layer_bytes(s: StepShape, exchange: str) -> int:
-    """One DCP layer of a split step under ``exchange`` (``queries`` or ``keys``), as
-    :class:`vllm_pcp.dcp.attention.DCPAttention` runs it, every buffer counted as if
-    all were live at once:
+    """One DCP layer of a split step, as :class:`vllm_pcp.dcp.attention.DCPAttention`
+    runs it, every buffer counted as if all were live at once; ``exchange``:
+    ``queries``, ``keys``, or ``both`` (a step that fetches some split requests' context
+    and sends the queries of others, whose context the step may write):
 
-    - the K/V gather (with the context rows under ``keys``) and the rows picked out
-      of it for the new tokens' kernel;
+    - the K/V gather (with the context rows when fetching) and the rows picked out of it
+      for the new tokens' kernel;
     - the local output and LSE, and their merge;
     - replicated rows (short prefills with context): their partials, every rank's,
       merged;
-    - ``queries``: every rank's queries (padded, gathered, the shard's rows picked
-      out), their partials sent, received, picked out and regrouped.
+    - queries: every rank's queries (padded, gathered, the shard's rows picked out),
+      their partials sent, received, picked out and regrouped.
     """
     kv_row = s.num_kv_heads * s.head_dim * s.dtype_bytes
     q_row = s.num_q_heads * s.head_dim * s.dtype_bytes
     own = _partials_bytes(s, s.rows)
     replicated = (2 + s.pcp) * _partials_bytes(s, s.rows, s.pcp) + s.rows * q_row
-    if exchange == "keys":
-        picked = 2 * kv_row * s.pcp * (s.rows + s.context_rows)
-        return kv_gather_bytes(s, s.context_rows) + picked + 2 * own + replicated
-    every = s.pcp * s.rows
-    queries = (1 + 2 * s.pcp) * s.rows * q_row + 5 * _partials_bytes(s, every, s.pcp)
-    return kv_gather_bytes(s) + 2 * kv_row * every + 2 * own + replicated + queries
+    context_rows = s.context_rows if exchange in ("keys", "both") else 0
+    picked = 2 * kv_row * s.pcp * (s.rows + context_rows)
+    total = kv_gather_bytes(s, context_rows) + picked + 2 * own + replicated
+    if exchange in ("queries", "both"):
+        every = s.pcp * s.rows
+        total += (1 + 2 * s.pcp) * s.rows * q_row + 5 * _partials_bytes(s, every, s.pcp)
+    return total
 
 
 def step_bytes(s: StepShape) -> int:
@@ -121,10 +123,8 @@ def step_bytes(s: StepShape) -> int:
         return 0
     if s.dcp == 1:
         layer = ragged_layer_bytes(s) if s.ragged else kv_gather_bytes(s)
-    elif s.exchange == "auto":
-        layer = max(dcp_layer_bytes(s, "queries"), dcp_layer_bytes(s, "keys"))
-    else:
-        layer = dcp_layer_bytes(s, s.exchange)
+    else:  # "keys" and "auto" may fetch some context and send other queries in one step
+        layer = dcp_layer_bytes(s, "queries" if s.exchange == "queries" else "both")
     return max(layer, restore_bytes(s))
 
 
