@@ -170,34 +170,7 @@ def make_builder(make_config, monkeypatch):
 
 # -- the PCP manager on the CPU -----------------------------------------------------------
 
-MAX_REQS, MAX_TOKENS = 16, 4096
-
-
-def global_batch(computed, scheduled):
-    """vLLM's InputBatch of a scheduler step, as the runner hands it to the manager: token
-    t has id ``7 * t + 3``; a request of one token over computed ones decodes, any other
-    is a prompt that ends with this step."""
-    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
-
-    computed = np.asarray(computed, dtype=np.int32)
-    scheduled = np.asarray(scheduled, dtype=np.int32)
-    prefill = np.where((scheduled == 1) & (computed > 0), computed, computed + scheduled)
-    num_reqs, num_tokens = len(scheduled), int(scheduled.sum())
-    batch = InputBatch.make_dummy(num_reqs, num_tokens,
-                                  InputBuffers(MAX_REQS, MAX_TOKENS, torch.device("cpu")))
-    qsl = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(scheduled, out=qsl[1:])
-    positions = np.concatenate([c + np.arange(s) for c, s in zip(computed, scheduled)])
-    seq_lens = computed + scheduled
-    return replace(
-        batch, num_scheduled_tokens=scheduled, query_start_loc_np=qsl,
-        query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens),
-        seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens.copy()),
-        positions=torch.from_numpy(positions.astype(np.int64)),
-        input_ids=torch.arange(num_tokens, dtype=torch.int32) * 7 + 3,
-        num_computed_tokens_np=computed, prefill_len_np=prefill,
-        num_computed_prefill_tokens_np=np.minimum(computed, prefill),
-        is_prefilling_np=computed < prefill, has_prefill=bool((computed < prefill).any()))
+from manager_harness import MAX_REQS, MAX_TOKENS, global_batch  # noqa: E402,F401
 
 
 def block_tables(num_groups: int = 1) -> SimpleNamespace:
