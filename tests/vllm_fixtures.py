@@ -12,10 +12,8 @@ import importlib
 import importlib.util
 import inspect
 import pkgutil
-from dataclasses import replace
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
