@@ -1,24 +1,12 @@
 """vllm-pcp: prefill context parallelism for GQA models on FlashInfer, as a vLLM plugin.
 
-One engine step with ``--prefill-context-parallel-size N`` on vLLM's Model Runner V2::
-
-    scheduler output (same on every rank)
-      -> manager.GQAPCPManager.partition_batch   split long prompts into 2N chunks, rank r
-                                                 keeps chunks r and 2N-1-r (pcp.partition);
-                                                 vLLM's manager builds the local batch and
-                                                 the gathered slot mapping -> manager.PCPStep
-      -> runner.PCPModelState.prepare_attn       one FlashInfer plan per KV cache group,
-                                                 with the step (backend, dcp.plan)
-      -> every attention layer                   all-gather the new K/V, write it, attend the
-           (backend.PCPFlashInferImpl)           local rows over the paged cache; with -dcp
-                                                 each rank its shard, merged by LSE
-      -> vLLM's restore and sampler              identical logits on every rank
-
-``register`` is the ``vllm.general_plugins`` entry point; vLLM calls it in every
-process (front end, engine core, each worker, Ray workers), possibly more than once.
-It puts the plugin's backend behind ``FLASHINFER`` (vLLM's ``register_backend``) and
-applies :mod:`vllm_pcp.patches`; :mod:`vllm_pcp.config` checks a configuration at
-start-up and selects :class:`vllm_pcp.worker.PCPWorker`.
+A step with ``--prefill-context-parallel-size N`` on vLLM's Model Runner V2:
+:class:`~vllm_pcp.manager.GQAPCPManager` splits each long prompt into 2N chunks, rank r
+keeping chunks r and 2N-1-r (:mod:`vllm_pcp.pcp.partition`); each KV cache group plans
+the step once (:mod:`vllm_pcp.backend`); every attention layer all-gathers the new K/V,
+writes it and attends (with ``-dcp``: each rank its shard, merged by LSE); vLLM restores
+the hidden states and samples the same logits on every rank. ``register``, the
+``vllm.general_plugins`` entry point, runs in every process, maybe more than once.
 """
 from __future__ import annotations
 
@@ -29,10 +17,9 @@ _registered = False
 
 
 def register() -> None:
-    """Install the PCP backend and the config hook in this process (idempotent).
-
-    On a vLLM other than :data:`vllm_pcp.config.VLLM_VERSION` it installs only the
-    refusal of ``-pcp`` and logs which version it needs."""
+    """Put the plugin's backend behind ``FLASHINFER`` and apply :mod:`vllm_pcp.patches`
+    (idempotent); on another vLLM than :data:`vllm_pcp.config.VLLM_VERSION` only refuse
+    ``-pcp``."""
     global _registered
     if _registered:
         return

@@ -1,23 +1,14 @@
 """FlashInfer attention with prefill context parallelism for GQA models.
 
-vLLM's PCP manager gives every rank a local batch (its chunks of the split prompts,
-and the rows every rank computes) and a slot mapping laid out for the rows of all
-ranks (``[N * P]``, -1 where nothing is written). This backend adds what FlashInfer
-lacks for that batch:
-
-    cache write        a slot mapping longer than the layer's ``P`` rows: all-gather
-                       every rank's new K/V first (one collective), then vLLM's write
-    attention, DCP = 1 vLLM's FlashInfer over the local rows, each attending causally
-                       over the paged cache at its absolute offset (the bottom-right
-                       causal mask); a rank without tokens writes zeros; on a fresh
-                       split step, FlashInfer's ragged kernel over the gathered K/V
-                       (``PCPRaggedMetadata``, :mod:`vllm_pcp.pcp.ragged`)
-    attention, DCP = N each rank stores the tokens it owns and attends its shard; the
-                       partial states are merged by LSE (``PCPDCPMetadata``,
-                       :mod:`vllm_pcp.dcp.attention`)
-
-A step's split reaches the builder as :class:`vllm_pcp.manager.PCPStep`
-(``pcp_step``); without one (dummy and capture runs, PCP = 1) it is stock FlashInfer.
+vLLM's PCP manager gives every rank a local batch (its chunks of the split prompts, and the
+rows every rank computes) and a slot mapping for the rows of all ranks (``[N * P]``, -1
+where nothing is written). This backend adds what FlashInfer lacks: a slot mapping longer
+than the layer's ``P`` rows has every rank's new K/V all-gathered before vLLM's cache write;
+at DCP = 1 vLLM's FlashInfer attends the local rows over the paged cache (bottom-right
+causal mask), or on a fresh split step FlashInfer's ragged kernel over the gathered K/V
+(:mod:`vllm_pcp.pcp.ragged`); at DCP = N each rank attends its shard and the partial states
+are merged by LSE (:mod:`vllm_pcp.dcp.attention`); a rank without tokens writes zeros.
+Without a ``pcp_step`` (dummy and capture runs, PCP = 1) it is stock FlashInfer.
 """
 from __future__ import annotations
 
@@ -39,8 +30,7 @@ from vllm_pcp.pcp.ragged import PlannedRaggedStep, RaggedSplitAttention
 
 @dataclass(frozen=True)
 class PCPEmptyMetadata:
-    """A rank with no local tokens in a step (its local batch is one empty row): the
-    layer still joins the K/V exchange and writes zeros."""
+    """A rank without local tokens: the layer joins the K/V exchange and writes zeros."""
 
     slot_mapping: torch.Tensor
     num_actual_tokens: int = 0
@@ -48,9 +38,8 @@ class PCPEmptyMetadata:
 
 @dataclass(frozen=True)
 class PCPRaggedMetadata:
-    """A fresh split step at DCP = 1: the layer's forward all-gathers the step's K/V,
-    writes it with the gathered ``slot_mapping`` and attends the local rows over the
-    gathered K/V with FlashInfer's ragged kernel."""
+    """A fresh split step at DCP = 1: the forward all-gathers the K/V, writes it and
+    attends the local rows over it with FlashInfer's ragged kernel."""
 
     slot_mapping: torch.Tensor  # [N * P] gathered layout, -1 where nothing is written
     ragged: PlannedRaggedStep
@@ -62,13 +51,10 @@ class PCPRaggedMetadata:
 
 @dataclass(frozen=True)
 class PCPDCPMetadata:
-    """A step with the KV cache sharded over the PCP ranks (``-pcp N -dcp N``).
-
-    ``gathered`` steps (a split request in the step): the layer's forward reads the
-    context rows split chunks fetch, all-gathers them with the step's K/V, writes this
-    rank's share (``slot_mapping``, gathered layout) and attends. Otherwise every rank
-    holds every token: vLLM's cache write (its own tokens), then attention.
-    """
+    """A step with the KV cache sharded over the PCP ranks (``-pcp N -dcp N``). If
+    ``gathered``, the forward reads the context split chunks fetch, all-gathers it with the
+    step's K/V, writes this rank's share and attends; otherwise every rank holds every
+    token: vLLM's cache write, then attention."""
 
     attention: object  # vllm_pcp.dcp.attention.DCPAttention
     step: object  # its PlannedDCPStep for this step
@@ -128,8 +114,7 @@ class PCPFlashInferImpl(FlashInferImpl):
 
     def _forward_ragged(self, layer, query, key, value, kv_cache,
                         metadata: PCPRaggedMetadata, output, output_scale):
-        """A fresh split step: all-gather the step's K/V, write it to the cache, attend
-        the local rows over the gathered K/V (:mod:`vllm_pcp.pcp.ragged`)."""
+        """All-gather the step's K/V, write it, attend over it (:mod:`vllm_pcp.pcp.ragged`)."""
         if output_scale is not None:
             raise NotImplementedError("the ragged split attention does not fuse output "
                                       "quantization; run with --additional-config "
@@ -143,9 +128,8 @@ class PCPFlashInferImpl(FlashInferImpl):
 
     def _kv_views(self, kv_cache: torch.Tensor,
                   order: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's paged (K, V) in the cache layout FlashInfer reads (``order``: the
-        layout's ``layer_view_order``). Zero-copy; a 1-kv-head cache gets TMA-legal
-        strides, as vLLM's forward does."""
+        """Zero-copy paged (K, V) in the layout FlashInfer reads (``layer_view_order``); a
+        1-kv-head cache gets TMA-legal strides, as in vLLM's forward."""
         cache = canonicalize_singleton_dim_strides(kv_cache.permute(*order))
         return cache.split(self.head_size, dim=-1)
 
@@ -170,12 +154,8 @@ class PCPFlashInferImpl(FlashInferImpl):
 
 
 class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
-    """vLLM's FlashInfer planning of a rank's local rows, and vllm-pcp's plans.
-
-    A split request is two rows on every rank (its chunks r and 2N-1-r), so a local
-    batch has up to ``2 * max_num_seqs`` rows: the per-row buffers, sized by vLLM for
-    ``max_num_seqs``, are made twice as long.
-    """
+    """vLLM's FlashInfer planning of a rank's local rows, and vllm-pcp's plans. A split
+    request is two rows per rank, so the per-row buffers hold ``2 * max_num_seqs``."""
 
     _dcp_attention = None
     _ragged_attention = None
@@ -210,13 +190,12 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         return super().build_for_cudagraph_capture(common_attn_metadata)
 
     def can_attend_ragged(self) -> bool:
-        """Whether this group's layers take the ragged kernel on fresh split steps:
-        ``pcp_split_attention`` ``auto``, an unquantized cache and no setting the plan
-        would have to carry (one softmax scale, no window, soft cap or sinks)."""
+        """Whether fresh split steps take the ragged kernel: ``pcp_split_attention auto``,
+        an unquantized cache, one softmax scale, no window, soft cap or sinks."""
         return (self.pcp_settings.split_attention == "auto"
                 and self.cache_dtype in pcp_config.DCP_CACHE_DTYPES
-                and self.window_left == -1 and not self.logits_soft_cap
-                and not self.has_sinks and bool(self.global_hyperparameters.has_same_all_params))
+                and self.window_left == -1 and not self.logits_soft_cap and not self.has_sinks
+                and bool(self.global_hyperparameters.has_same_all_params))
 
     def _plan_ragged(self, step) -> PlannedRaggedStep:
         """Plan a fresh split step's ragged kernel once for the group's layers."""
@@ -227,8 +206,8 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         return self._ragged_attention.plan(step.plan, step.num_scheduled_tokens, self.device)
 
     def _build_dcp(self, cm, step) -> PCPDCPMetadata:
-        """Plan a PCP x DCP step once for the group's layers. Without a step (dummy and
-        capture runs) the layers write zeros, as vLLM's profiling run does."""
+        """Plan a PCP x DCP step once for the group's layers; without a step (dummy and
+        capture runs) the layers write zeros, as in vLLM's profiling run."""
         if step is None:
             return None
         from vllm_pcp.dcp.plan import build_dcp_plan
@@ -243,7 +222,8 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 self.head_dim, self.page_size, self.q_data_type_prefill,
                 self.global_hyperparameters.sm_scale,
                 get_flashinfer_layout_string(self.kv_cache_layout))
-        plan = build_dcp_plan(step, self.vllm_config.parallel_config.cp_kv_cache_interleave_size,
+        plan = build_dcp_plan(step,
+                              self.vllm_config.parallel_config.cp_kv_cache_interleave_size,
                               kv_to_q_heads=self.num_kv_heads / self.num_qo_heads,
                               context_exchange=self.pcp_settings.dcp_context_exchange)
         # every request has a row on every rank (PCPSettings.min_chunk_tokens)
@@ -261,18 +241,15 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
 
 
 def _zero_pad_rows(output: torch.Tensor, num_actual_tokens: int) -> None:
-    """Zero the pad rows of a local batch's attention output: they stay finite through
-    the rest of the model, MoE routing included."""
+    """Zero the output's pad rows: they stay finite through the model, MoE routing too."""
     if output.shape[0] > num_actual_tokens:
         output[num_actual_tokens:].zero_()
 
 
 def _unapplied_settings(impl: FlashInferImpl) -> list[str]:
-    """The layer's settings that no attention path of vllm-pcp applies: ALiBi slopes
-    (FlashInferImpl keeps them and never reads them), a sliding window (FlashInferImpl
-    keeps ``(window - 1, 0)``, ``(-1, -1)`` for none; vLLM's PCP manager gathers block
-    tables without masking freed blocks), a KV cache shared with another layer (not
-    verified)."""
+    """Settings no attention path of vllm-pcp applies: ALiBi slopes (FlashInferImpl never
+    reads them), a sliding window (kept as ``(window - 1, 0)``; vLLM's PCP manager does not
+    mask freed blocks), a KV cache shared with another layer (not verified)."""
     out = []
     if impl.alibi_slopes is not None:
         out.append("ALiBi slopes")
@@ -285,8 +262,7 @@ def _unapplied_settings(impl: FlashInferImpl) -> list[str]:
 
 
 def _dcp_unplanned_settings(impl: FlashInferImpl) -> list[str]:
-    """The layer's settings that vllm-pcp's DCP attention does not plan: a logits soft
-    cap, attention sinks, a quantized KV cache."""
+    """Settings vllm-pcp's DCP attention does not plan: soft cap, sinks, quantized KV."""
     out = []
     if impl.logits_soft_cap:
         out.append(f"logits_soft_cap {impl.logits_soft_cap}")
@@ -298,8 +274,8 @@ def _dcp_unplanned_settings(impl: FlashInferImpl) -> list[str]:
 
 
 def _refuse_mixed_scales(vllm_config, layer_names: list[str]) -> None:
-    """Under DCP, refuse a KV cache group whose layers differ in softmax scale (the
-    only setting left to differ: the layers refuse windows, soft caps and sinks)."""
+    """Refuse a DCP KV cache group whose layers differ in softmax scale (the only setting
+    left to differ: the layers refuse windows, soft caps and sinks)."""
     from vllm.v1.attention.backends.utils import get_per_layer_parameters
 
     parallel = vllm_config.parallel_config
@@ -309,8 +285,7 @@ def _refuse_mixed_scales(vllm_config, layer_names: list[str]) -> None:
 
 
 def grow_row_buffers(builder: FlashInferMetadataBuilder, max_rows: int) -> None:
-    """Re-make the builder's per-row paged-KV buffers for ``max_rows`` rows, keeping
-    the pages-per-row bound vLLM sized them with. Never shrinks them."""
+    """Re-make the builder's per-row paged-KV buffers for ``max_rows`` rows (never fewer)."""
     rows = builder.paged_kv_last_page_len.np.shape[0]
     if max_rows <= rows:
         return
@@ -346,5 +321,3 @@ def _layer_metadata(layer: torch.nn.Module):
     if isinstance(metadata, dict):
         metadata = metadata.get(layer.layer_name)
     return metadata
-
-

@@ -1,10 +1,9 @@
 """Start-up checks for PCP on GQA models.
 
 :func:`prepare_pcp_config` runs once, where vLLM finalises its config
-(:mod:`vllm_pcp.patches.platform_config`): it refuses what the plugin cannot run
-exactly, naming the flag and the way out, checks the knobs (:mod:`vllm_pcp.knobs`),
-and selects the plugin's worker. Each worker checks again where vLLM builds its PCP
-manager (:meth:`vllm_pcp.manager.GQAPCPManager.validate_config`).
+(:mod:`vllm_pcp.patches.platform_config`): it refuses what the plugin cannot run exactly,
+naming the flag and the way out, checks the knobs and selects the plugin's worker. Each
+worker checks again (:meth:`vllm_pcp.manager.GQAPCPManager.validate_config`).
 """
 from __future__ import annotations
 
@@ -22,23 +21,20 @@ def _attention_backend_name(vllm_config) -> str | None:
     return None if backend is None else getattr(backend, "name", str(backend))
 
 
-# KV cache dtypes vllm-pcp's DCP attention runs (unquantized), and those -pcp alone takes
-# (each shown exact against one GPU on a GPU: fp8 in tests/gpu/results/exactness-features.json);
-# both read where they are checked
+# KV cache dtypes of vllm-pcp's DCP attention (unquantized) and of -pcp alone (each shown
+# exact against one GPU: fp8 in tests/gpu/results/exactness-features.json)
 DCP_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 PCP_CACHE_DTYPES = (*DCP_CACHE_DTYPES, "fp8")
 
 
 def pcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
-    """Why ``-pcp`` (DCP = 1) refuses a KV cache dtype no GPU run has shown exact (fp8 is:
-    its e4m3 format under the name ``fp8``)."""
+    """Why ``-pcp`` (DCP = 1) refuses a KV cache dtype no GPU run has shown exact."""
     return (f"--kv-cache-dtype {cache_dtype}: not verified with -pcp {pcp} on a GPU "
             "(fp8 is); pass --kv-cache-dtype fp8 (e4m3) or auto, or drop -pcp")
 
 
 def _dcp_kv_dtype_refusal(cache_dtype: str, pcp: int) -> str:
-    """Why ``-dcp`` refuses a quantized KV cache, and the ways out: an unquantized cache, or
-    the layout without ``-dcp`` where it takes ``cache_dtype``."""
+    """Why ``-dcp`` refuses a quantized KV cache, and the ways out."""
     way_out = "pass --kv-cache-dtype auto"
     if cache_dtype in PCP_CACHE_DTYPES:
         way_out += f", or drop -dcp (-pcp {pcp} alone runs it)"
@@ -65,8 +61,8 @@ def _dcp_refusals(vllm_config) -> list[str]:
     return out + _dcp_attention_refusals(vllm_config.model_config, pcp)
 
 
-# vLLM models whose attention layers have sinks, by architecture or by the hf
-# config setting that turns them on (gpt_oss.py, mimo_v2.py, laguna.py)
+# vLLM models with attention sinks: by architecture or hf config setting (gpt_oss.py,
+# mimo_v2.py, laguna.py)
 _SINK_ARCHITECTURES = ("GptOssForCausalLM",)
 _SINK_SETTINGS = ("add_swa_attention_sink_bias", "swa_attention_sink_enabled")
 
@@ -87,10 +83,8 @@ def _attention_sinks(model) -> str | None:
 
 
 def _dcp_attention_refusals(model, pcp: int) -> list[str]:
-    """Attention settings of the model that vllm-pcp's DCP attention does not plan
-    (it runs FlashInfer without ``logits_soft_cap`` or sinks; sliding windows are
-    refused for every layout, :func:`_attention_refusals`), read from the model's
-    config. :class:`vllm_pcp.backend.PCPFlashInferImpl` checks every layer again."""
+    """The model's attention settings vllm-pcp's DCP attention does not plan (soft cap,
+    sinks); :class:`vllm_pcp.backend.PCPFlashInferImpl` checks every layer again."""
     way_out = f"drop -dcp (run -pcp {pcp} alone)"
     out = []
     softcap = _hf_setting(model, "attn_logit_softcapping")
@@ -105,9 +99,8 @@ def _dcp_attention_refusals(model, pcp: int) -> list[str]:
 
 
 def dcp_layer_error(settings: list[str], pcp: int) -> PCPConfigError:
-    """The refusal of an attention layer whose ``settings`` (e.g. ``"logits_soft_cap
-    30.0"``) vllm-pcp's DCP attention does not plan; raised while the model is built,
-    so it stops the engine at start-up whatever the model's config says."""
+    """The refusal of a layer whose ``settings`` (e.g. ``"logits_soft_cap 30.0"``) DCP
+    attention does not plan; raised while the model is built, whatever its config says."""
     return PCPConfigError(
         f"vllm-pcp cannot run --decode-context-parallel-size {pcp} (-pcp {pcp} -dcp {pcp}) "
         f"with an attention layer with {' and '.join(settings)}: vllm-pcp's DCP attention "
@@ -116,18 +109,15 @@ def dcp_layer_error(settings: list[str], pcp: int) -> PCPConfigError:
 
 
 def _cp_flags(pcp: int, dcp: int) -> tuple[str, str]:
-    """The layout's flags (``-pcp 2 -dcp 2``) and how to drop them (``drop -pcp and
-    -dcp``)."""
+    """The layout's flags (``-pcp 2 -dcp 2``) and how to drop them."""
     flags = [f"-{name} {size}" for name, size in (("pcp", pcp), ("dcp", dcp)) if size > 1]
     names = [flag.split()[0] for flag in flags]
     return " ".join(flags), "drop " + " and ".join(names)
 
 
 def cp_layer_error(settings: list[str], pcp: int, dcp: int) -> PCPConfigError:
-    """The refusal of an attention layer with ``settings`` (e.g. ``"ALiBi slopes"``)
-    that no attention path of vllm-pcp applies, under every layout the plugin takes
-    over; raised while the model is built, so it stops the engine at start-up whatever
-    the model's config says."""
+    """The refusal of a layer with ``settings`` (e.g. ``"ALiBi slopes"``) no attention path
+    of vllm-pcp applies; raised while the model is built, whatever its config says."""
     flags, drop = _cp_flags(pcp, dcp)
     return PCPConfigError(
         f"vllm-pcp cannot run {flags} with an attention layer with {' and '.join(settings)}: "
@@ -137,9 +127,7 @@ def cp_layer_error(settings: list[str], pcp: int, dcp: int) -> PCPConfigError:
 
 
 def dcp_scales_error(scales: list[float], pcp: int) -> PCPConfigError:
-    """The refusal of a KV cache group whose attention layers have different softmax
-    ``scales``: vllm-pcp's DCP attention plans one scale per group (the builder's
-    ``sm_scale``, its first layer's)."""
+    """The refusal of a KV cache group of several softmax ``scales`` (DCP plans one)."""
     return PCPConfigError(
         f"vllm-pcp cannot run -pcp {pcp} -dcp {pcp} with attention layers of softmax "
         f"scales {', '.join(map(str, scales))} in one KV cache group: vllm-pcp's DCP "
@@ -177,10 +165,7 @@ def _refusals(vllm_config, supports_mm_inputs: bool = False) -> list[str]:
 
 
 def _cuda_graph_refusals(vllm_config) -> list[str]:
-    """Full CUDA graphs replay only decode steps whose rows every rank computes and
-    writes locally (``pcp_decode_policy`` replicate at DCP = 1); vllm-pcp plans every
-    other step's attention itself. :func:`prepare_pcp_config` sets the mode that
-    fits; a mode changed after it is refused here, in every worker."""
+    """Refusals of a CUDA graph mode changed after :func:`_fit_cuda_graphs` (any worker)."""
     from vllm_pcp.knobs import PCPSettings
 
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
@@ -198,7 +183,7 @@ def _cuda_graph_refusals(vllm_config) -> list[str]:
 
 
 def _knob_refusals(vllm_config) -> list[str]:
-    """Knob values the layout cannot take (the knobs' own checks ran first)."""
+    """Knob values the layout cannot take."""
     from vllm_pcp.knobs import PCPKnobs
 
     parallel, model = vllm_config.parallel_config, vllm_config.model_config
@@ -213,11 +198,9 @@ def _knob_refusals(vllm_config) -> list[str]:
 
 
 def _moe_refusal(pcp: int) -> str:
-    """A mixture-of-experts model at PCP > 2 with decodes on every rank. vLLM
-    all-gathers each expert layer's tokens over the PCP ranks and sums the ranks' parts
-    with a reduce-scatter. Each rank's slice is summed in another order, which over two
-    ranks gives the same bits (a + b = b + a) and over more does not: a token every rank
-    computes would leave the ranks with different logits, each sampling its own."""
+    """A mixture-of-experts model at PCP > 2 with decodes on every rank: the expert
+    layers' reduce-scatter sums each rank's slice in another order, the same bits over two
+    ranks (a + b = b + a) but not more, so the ranks' logits would differ."""
     return (f"--additional-config pcp_decode_policy replicate on a mixture-of-experts "
             f"model at -pcp {pcp}: vLLM sums each expert layer's parts with a "
             "reduce-scatter over the PCP ranks, in another order on each rank beyond two, "
@@ -225,14 +208,12 @@ def _moe_refusal(pcp: int) -> str:
             "(auto shards the decodes: one rank computes each), or use -pcp 2")
 
 
-# vLLM models that always pass ALiBi slopes and that ModelConfig.uses_alibi does
-# not name (step1.py)
+# vLLM models that pass ALiBi slopes unnamed by ModelConfig.uses_alibi (step1.py)
 _ALIBI_ARCHITECTURES = ("Step1ForCausalLM",)
 
 
 def _alibi(model) -> str | None:
-    """What gives the model ALiBi attention, or None: vLLM's own test
-    (``ModelConfig.uses_alibi``), or an architecture of :data:`_ALIBI_ARCHITECTURES`."""
+    """What gives the model ALiBi attention, or None."""
     architectures = list(getattr(model, "architectures", None) or ())
     for arch in architectures:
         if arch in _ALIBI_ARCHITECTURES:
@@ -243,9 +224,8 @@ def _alibi(model) -> str | None:
 
 
 def _attention_refusals(vllm_config) -> list[str]:
-    """Attention settings of the model that vllm-pcp does not apply or has not verified,
-    under every layout. :class:`vllm_pcp.backend.PCPFlashInferImpl` checks every layer
-    again."""
+    """The model's attention settings vllm-pcp does not apply or has not verified, under
+    every layout (:class:`vllm_pcp.backend.PCPFlashInferImpl` checks every layer again)."""
     parallel, model = vllm_config.parallel_config, vllm_config.model_config
     _, drop = _cp_flags(parallel.prefill_context_parallel_size,
                         parallel.decode_context_parallel_size)
@@ -278,7 +258,7 @@ def _kv_transfer_refusal(vllm_config) -> str:
 
 
 def _unverified_refusals(vllm_config) -> list[str]:
-    """Features vllm-pcp does not handle: refused until they are made exact."""
+    """Features vllm-pcp does not handle."""
     model = vllm_config.model_config
     out = []
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
@@ -334,8 +314,7 @@ def _refusal_error(vllm_config, refused: list[str]) -> PCPConfigError:
 
 
 def check_pcp_config(vllm_config, supports_mm_inputs: bool = False) -> None:
-    """Raise :class:`PCPConfigError` listing every refused flag of a config the plugin
-    takes over (knobs first, :mod:`vllm_pcp.knobs`); the same on every process."""
+    """Raise :class:`PCPConfigError` listing every refused flag of a config taken over."""
     from vllm_pcp.knobs import PCPKnobs
 
     if not takes_over(vllm_config):
@@ -347,9 +326,8 @@ def check_pcp_config(vllm_config, supports_mm_inputs: bool = False) -> None:
 
 
 def prepare_pcp_config(vllm_config) -> bool:
-    """Validate a PCP > 1 config for a non-MLA model, select the PCP worker and the CUDA
-    graphs it runs. Returns True when the plugin takes the config over, False when it
-    leaves it to vLLM (PCP = 1, MLA models, no model). Raises :class:`PCPConfigError`."""
+    """Validate a config the plugin takes over, select its worker and CUDA graphs; False
+    where it is left to vLLM (PCP = 1, MLA, no model)."""
     if not takes_over(vllm_config):
         return False
     from vllm_pcp.knobs import PCPKnobs
@@ -367,10 +345,9 @@ def prepare_pcp_config(vllm_config) -> bool:
 
 
 def _fit_cuda_graphs(vllm_config) -> None:
-    """Full CUDA graphs replay a decode step whose rows every rank computes, written
-    locally (the ``replicate`` decode policy at DCP = 1). Elsewhere (``shard`` decodes,
-    ``-dcp``, whose attention vllm-pcp plans each step) the attention layers run outside
-    the graphs: full graphs are turned into piecewise ones, or off."""
+    """Full CUDA graphs replay only decode steps every rank computes and writes locally
+    (``replicate`` at DCP = 1); elsewhere vllm-pcp plans attention each step, so full
+    graphs become piecewise ones, or off."""
     from vllm.config import CUDAGraphMode
 
     from vllm_pcp.knobs import PCPSettings

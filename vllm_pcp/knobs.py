@@ -1,9 +1,6 @@
-"""The plugin's knobs, read from ``--additional-config``, and what they resolve to.
-
-Each ``pcp_*`` key is checked at start-up (:func:`vllm_pcp.config.prepare_pcp_config`
-reads them once, so a bad value stops the engine before any worker starts);
-:class:`PCPSettings` is what the manager and the attention read, per engine.
-"""
+"""The plugin's knobs, read from ``--additional-config`` (checked at start-up by
+:func:`vllm_pcp.config.prepare_pcp_config`), and :class:`PCPSettings`, what they resolve to
+for the manager and the attention."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,16 +8,14 @@ from typing import Any
 
 from vllm_pcp.config import PCPConfigError
 
-# the kernel of a split step's rows at DCP = 1 (vllm_pcp.pcp.ragged)
+# the values of PCPKnobs' choices (decode policies: docs/design.md, "Decode steps")
 SPLIT_ATTENTIONS = ("auto", "paged")
-# how split chunks reach the context stored on other DCP ranks (vllm_pcp.dcp.plan)
 CONTEXT_EXCHANGES = ("auto", "queries", "keys")
-# which ranks compute a decode at DCP = 1 (docs/design.md, "Decode steps")
 DECODE_POLICIES = ("auto", "replicate", "shard")
 
-# A fresh 4K prompt split over 2 x H200 reached its first token 1.12x later than on one
-# GPU, while 32K and 128K prompts gained 1.85x and 1.92x; unsplit below 8192 tokens the
-# 4K prompt is within 1 % of one GPU (vLLM 0.26.0 code, benchmarks/results/README.md).
+# Split over 2 x H200 a fresh 4K prompt's first token came 1.12x later than on one GPU
+# (within 1 % unsplit), 32K and 128K gained 1.85x and 1.92x (vLLM 0.26.0 code,
+# benchmarks/results/README.md).
 DEFAULT_MIN_SPLIT_TOKENS = 8192
 
 
@@ -36,29 +31,20 @@ def _choice(raw: dict, key: str, choices: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class PCPKnobs:
-    """Plugin knobs, read from ``--additional-config`` (``null`` means the default).
+    """The ``pcp_*`` keys of ``--additional-config`` (``null``: the default)."""
 
-    min_split_tokens : prompts shorter than this are computed whole on every rank;
-        every chunk of a longer one is split (``pcp_min_split_tokens``). None:
-        :data:`DEFAULT_MIN_SPLIT_TOKENS`.
-    split_attention : at DCP = 1, the kernel a split step's rows attend with
-        (``pcp_split_attention``): ``auto`` takes FlashInfer's ragged kernel over the
-        gathered K/V on steps without cached context (fresh prompts,
-        :mod:`vllm_pcp.pcp.ragged`) and the paged kernel on the others; ``paged`` the
-        paged kernel on every step, as one GPU's FlashInfer prefill.
-    dcp_context_exchange : with ``-dcp``, how a split chunk reaches the context that
-        earlier steps stored on other ranks (``pcp_dcp_context_exchange``): ``queries``
-        all-gathers its queries and sends partial outputs back, ``keys`` all-gathers the
-        context K/V, ``auto`` whichever moves fewer bytes in that step.
-    decode_policy : at DCP = 1, which ranks compute a decode (``pcp_decode_policy``):
-        ``replicate`` every rank, a step that splits nothing then runs no collective;
-        ``shard`` one rank each, its K/V and hidden states all-gathered every step;
-        ``auto`` replicate, but shard for a mixture-of-experts model at ``-pcp`` > 2.
-    """
-
+    # prompts shorter than this are computed whole on every rank, every chunk of a longer
+    # one is split; None: DEFAULT_MIN_SPLIT_TOKENS
     min_split_tokens: int | None = None
+    # at DCP = 1: "auto" attends fresh split steps with FlashInfer's ragged kernel over the
+    # gathered K/V (vllm_pcp.pcp.ragged), others paged; "paged" always paged, as one GPU
     split_attention: str = "auto"
+    # with -dcp, how a split chunk reaches context stored on other ranks: "queries" sends
+    # its queries and gets partials back, "keys" gathers the context K/V, "auto" the cheaper
     dcp_context_exchange: str = "auto"
+    # at DCP = 1, which ranks compute a decode: "replicate" every rank (an unsplit step
+    # runs no collective), "shard" one (K/V and hidden states gathered every step),
+    # "auto" replicate, but shard for a mixture-of-experts model at -pcp > 2
     decode_policy: str = "auto"
 
     @classmethod
@@ -86,8 +72,7 @@ KNOBS = ("pcp_min_split_tokens", "pcp_split_attention", "pcp_dcp_context_exchang
 
 
 def resolve_decode_policy(knobs: PCPKnobs, pcp: int, dcp: int, is_moe: bool) -> str:
-    """``replicate`` or ``shard`` (``auto`` resolved); with ``-dcp`` every rank attends
-    its shard for every query, so decodes are on every rank."""
+    """``replicate`` or ``shard``; with ``-dcp`` every rank attends every query."""
     if dcp > 1:
         return "replicate"
     if knobs.decode_policy == "auto":
@@ -97,24 +82,17 @@ def resolve_decode_policy(knobs: PCPKnobs, pcp: int, dcp: int, is_moe: bool) -> 
 
 @dataclass(frozen=True)
 class PCPSettings:
-    """What one engine's knobs and flags resolve to, for the manager and the attention.
-
-    min_split_tokens : prompt length from which a prefill is split, never below 2N.
-    min_chunk_tokens : the shortest step part that is split. At DCP = 1 every one of
-        the 2N rows has more than ``decode_threshold`` tokens, so a row one GPU attends
-        with the prefill kernel stays on it (vLLM's FlashInfer attends rows of at most
-        ``decode_threshold`` tokens with its decode kernel); with ``-dcp`` every row
-        has a token, so every request has a row on every rank.
-    decode_threshold : vLLM's FlashInfer decode threshold (no speculative decoding).
-    decode_policy : ``replicate`` or ``shard`` (:func:`resolve_decode_policy`).
-    """
+    """What one engine's knobs and flags resolve to."""
 
     pcp_world_size: int
     dcp_world_size: int
-    min_split_tokens: int
+    min_split_tokens: int  # never below 2N
+    # the shortest step part split: at DCP = 1 all 2N rows exceed decode_threshold (so a
+    # row stays on the kernel one GPU uses, partition.min_chunk_tokens); with -dcp every
+    # row has a token, so every request has a row on every rank
     min_chunk_tokens: int
-    decode_threshold: int
-    decode_policy: str
+    decode_threshold: int  # vLLM's FlashInfer decode threshold (no speculative decoding)
+    decode_policy: str  # "replicate" or "shard"
     split_attention: str
     dcp_context_exchange: str
 

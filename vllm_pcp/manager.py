@@ -1,25 +1,16 @@
 """The PCP manager for GQA models: vLLM's Model Runner V2 ``PCPManager`` with vllm-pcp's split.
 
-vLLM's manager turns the scheduler's global batch into each rank's local batch, lays
-out the gathered slot mapping, restores the hidden states before sampling and sizes
-the CUDA graphs. This subclass keeps all of that and changes three things:
-
-- which requests are split (:mod:`vllm_pcp.pcp.partition`): a prefill of a prompt of
-  at least ``pcp_min_split_tokens`` tokens, every chunk of it, cut at balanced
-  boundaries; shorter prompts and decodes are computed whole;
-- a step that splits nothing, with the decodes on every rank (``pcp_decode_policy``
-  ``replicate``), runs with no collective: every rank computes every token, writes its
-  own K/V and keeps its own hidden states;
-- the step's split travels with the local batch (:class:`PCPStep` in
-  ``input_batch.pcp``) to vllm-pcp's attention metadata builder.
-
-::
+vLLM's manager builds the local batches, the gathered slot mapping, the restore of the
+hidden states and the CUDA graph sizes. This subclass changes which requests are split
+(:mod:`vllm_pcp.pcp.partition`); runs an unsplit step with decodes on every rank
+(``replicate``) with no collective, each rank writing its own K/V and keeping its own
+hidden states; and carries the split (:class:`PCPStep`, ``input_batch.pcp``) to vllm-pcp's
+attention metadata builder::
 
     global batch  [decodes | short prompt | long prompt: c0 c1 c2 c3]        N = 2
     rank 0 rows   [decodes | short prompt | c0 | c3]     (replicate policy)
     rank 1 rows   [decodes | short prompt | c1 | c2]
-    gathered K/V  [rank 0 rows | pad][rank 1 rows | pad]  rank 0's copy of shared rows
-                                                          is written, and restored
+    gathered K/V  [rank 0 rows | pad][rank 1 rows | pad]  rank 0's copy written, restored
 """
 from __future__ import annotations
 
@@ -42,23 +33,13 @@ logger = init_logger("vllm.vllm_pcp.manager")
 
 @dataclass(frozen=True)
 class PCPStep:
-    """One step's split as vllm-pcp's attention needs it.
+    """One step's split, carried in the local batch to the attention metadata builder."""
 
-    Made by :meth:`GQAPCPManager.partition_batch` from the scheduler output (the same
-    on every rank), carried in the local batch to the attention metadata builder
-    (:class:`vllm_pcp.runner.PCPModelState`).
-
-    plans : every rank's view of the split; ``plans[pcp_rank]`` is this rank's.
-    num_computed_tokens, num_scheduled_tokens : ``[R]`` int64, global batch order.
-    gathered : the layers all-gather the step's K/V (False: every rank computes every
-        token, writes its own and keeps its own hidden states).
-    """
-
-    plans: tuple[PrefillContextParallelMetadata, ...]
+    plans: tuple[PrefillContextParallelMetadata, ...]  # every rank's view of the split
     pcp_rank: int
-    num_computed_tokens: np.ndarray
-    num_scheduled_tokens: np.ndarray
-    gathered: bool
+    num_computed_tokens: np.ndarray  # [R] int64, global batch order
+    num_scheduled_tokens: np.ndarray  # [R] int64
+    gathered: bool  # the layers all-gather the K/V (False: every rank computes every token)
 
     @property
     def plan(self) -> PrefillContextParallelMetadata:
@@ -124,9 +105,8 @@ class GQAPCPManager(PCPManager):
     def plan_split(self, num_computed_tokens, num_scheduled_tokens, is_prefilling,
                    prefill_lens=None, num_padded_tokens_per_rank: int | None = None
                    ) -> list[PrefillContextParallelMetadata]:
-        """Every rank's view of the step's split (:mod:`vllm_pcp.pcp.partition`).
-        ``prefill_lens`` None: this step's tokens stand for each prompt's length,
-        which splits fewer requests, so no rank gets fewer tokens than with them."""
+        """Every rank's view of the step's split. Without ``prefill_lens`` this step's
+        tokens stand for each prompt's length: fewer splits, no rank gets fewer tokens."""
         s = self.settings
         return build_pcp_metadata_all_ranks(
             num_computed_tokens, num_scheduled_tokens, self.pcp_world_size,
@@ -136,8 +116,7 @@ class GQAPCPManager(PCPManager):
             num_padded_tokens_per_rank=num_padded_tokens_per_rank)
 
     def get_num_tokens_for_dispatch(self, num_scheduled_tokens, is_prefilling) -> int:
-        """An upper bound of the largest local batch, for the CUDA graph choice: the
-        prompts' lengths are not known here (see :meth:`plan_split`)."""
+        """An upper bound of the largest local batch (prompt lengths unknown here)."""
         scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64)
         plans = self.plan_split(np.zeros_like(scheduled), scheduled, is_prefilling)
         return max(plans[0].num_tokens_per_rank)
@@ -163,10 +142,9 @@ class GQAPCPManager(PCPManager):
 
     def _build_batch_layout(self, num_scheduled_tokens, num_computed_tokens, is_prefilling,
                             query_start_loc_np, padded_num_tokens=None):
-        """The gathered layout of :meth:`partition_batch`'s split: each rank's rows
-        (vLLM's segments), the rows all-gathered, the copy of each token that is
-        written and restored. A step that splits nothing with every token on every rank
-        keeps every row local: no restore, each rank writes its own K/V."""
+        """The gathered layout of :meth:`partition_batch`'s split: vLLM's segments, the
+        rows gathered, each token's copy written and restored. A step that splits nothing
+        with every token on every rank stays local: no restore, each writes its own K/V."""
         plans = self._plans
         if plans is None:
             raise RuntimeError("GQAPCPManager lays out only the batch of partition_batch")
@@ -187,8 +165,7 @@ class GQAPCPManager(PCPManager):
         return [_segments(plan) for plan in plans], list(plans[0].num_tokens_per_rank)
 
     def _convert_to_gathered_slot_mappings(self, global_batch_slot_mappings):
-        """vLLM's gathered slot mapping ``[groups, N * P]``; on a step that keeps every
-        row local, this rank's rows only, ``[groups, P]``."""
+        """vLLM's gathered slot mapping ``[groups, N * P]``; on a local step ``[groups, P]``."""
         if not self._unsplit_local:
             return super()._convert_to_gathered_slot_mappings(global_batch_slot_mappings)
         rows = self._local_gather_idx.shape[0]
@@ -200,9 +177,9 @@ class GQAPCPManager(PCPManager):
         return out
 
     def get_dummy_slot_mappings(self, num_tokens: int) -> torch.Tensor:
-        """Dummy and capture runs: the slot mapping of the steps they stand for. Where
-        a step that splits nothing keeps its rows local (the only steps a full CUDA
-        graph replays), the local layout, at the address a replay writes."""
+        """The slot mapping of the steps dummy and capture runs stand for: with local
+        unsplit steps (the only ones full graphs replay), the local layout, at the
+        address a replay writes."""
         if not self.settings.unsplit_steps_local:
             return super().get_dummy_slot_mappings(num_tokens)
         self._gathered_kv_slot_mappings.fill_(PAD_SLOT_ID)

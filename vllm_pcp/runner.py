@@ -1,15 +1,8 @@
-"""vLLM's Model Runner V2 with vllm-pcp's PCP manager, and what the runner needs beside it.
-
-vLLM's runner already runs PCP through its manager (``pcp_manager_cls``): the local
-batch, the gathered slot mapping, the restore before sampling. The subclass:
-
-- picks :class:`vllm_pcp.manager.GQAPCPManager`;
-- passes each step's split (:class:`vllm_pcp.manager.PCPStep`, in the local batch) to
-  vllm-pcp's attention metadata builder (:class:`PCPModelState`);
-- holds the widest split step's buffers through vLLM's profile run, so the KV cache is
-  sized with them set aside (:mod:`vllm_pcp.pcp.memory`);
-- with ``VLLM_PCP_CHECK_SAMPLED_TOKENS=1``, compares each step's sampled tokens across
-  the PCP ranks (:mod:`vllm_pcp.pcp.agreement`).
+"""vLLM's Model Runner V2 with vllm-pcp's PCP manager (``pcp_manager_cls``); it passes each
+step's split to vllm-pcp's attention metadata builder (:class:`PCPModelState`), holds the
+widest split step's buffers through the profile run (:mod:`vllm_pcp.pcp.memory`) and, with
+``VLLM_PCP_CHECK_SAMPLED_TOKENS=1``, compares the sampled tokens across the PCP ranks
+(:mod:`vllm_pcp.pcp.agreement`).
 """
 from __future__ import annotations
 
@@ -41,8 +34,7 @@ class PCPStepAttnKwargs(ModelSpecificAttnMetadata):
 
 
 class PCPModelState(DefaultModelState):
-    """vLLM's model state of a decoder-only model; attention metadata of a PCP step is
-    built with the step's split (``input_batch.pcp.step``)."""
+    """vLLM's decoder-only model state, building attention metadata with the step's split."""
 
     def prepare_attn(self, input_batch, *args, **kwargs):
         step = getattr(input_batch.pcp, "step", None)
@@ -80,9 +72,8 @@ class PCPModelRunner(GPUModelRunner):
                                          self.device)
 
     def profile_run(self, *args, **kwargs) -> None:
-        """vLLM's profile run with the widest split step's buffers held beside it
-        (:mod:`vllm_pcp.pcp.memory`). ``pcp_profile_peak_bytes``: the run's peak of
-        torch allocations above what was allocated before it."""
+        """vLLM's profile run with the widest split step's buffers held beside it;
+        ``pcp_profile_peak_bytes``: its peak of torch allocations above the start."""
         reserve = split_step_reserve_bytes(self.vllm_config)
         logger.info("vllm-pcp: %.3f GiB held through the profile run for split steps",
                     reserve / (1 << 30))
@@ -96,8 +87,7 @@ class PCPModelRunner(GPUModelRunner):
         self.pcp_profile_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before
 
     def sample(self, *args, **kwargs):
-        """vLLM's sampling; in check mode the sampled ids are compared across the PCP
-        ranks before any rank feeds them back (:mod:`vllm_pcp.pcp.agreement`)."""
+        """vLLM's sampling; in check mode the ids are compared across the PCP ranks."""
         out = super().sample(*args, **kwargs)
         if out[0] is not None:
             self.pcp_sampled_tokens.check(out[0].sampled_token_ids)

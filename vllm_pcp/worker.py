@@ -25,15 +25,12 @@ class PCPWorker(Worker):
         return asdict(self.model_runner.pcp_manager.step_counts)
 
     def pcp_sampled_token_checks(self) -> int:
-        """Steps whose sampled token ids this rank compared across the PCP ranks
-        (``VLLM_PCP_CHECK_SAMPLED_TOKENS``, :mod:`vllm_pcp.pcp.agreement`); 0 when off."""
+        """Steps whose sampled ids this rank compared (:mod:`vllm_pcp.pcp.agreement`)."""
         return self.model_runner.pcp_sampled_tokens.checked
 
     def pcp_memory(self, reset: bool = False) -> dict[str, int | None]:
-        """This rank's memory (``collective_rpc``), then with ``reset`` its peak reset:
-        torch allocations now and at their peak since the start or the last reset; the
-        profile run's peak above what it started from, with the split-step reserve
-        held (:meth:`vllm_pcp.runner.PCPModelRunner.profile_run`); the reserve."""
+        """This rank's torch allocations now and at peak (then reset with ``reset``), the
+        profile run's peak and the split-step reserve (``collective_rpc``)."""
         out = {"allocated_bytes": torch.cuda.memory_allocated(self.device),
                "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
                "profile_peak_bytes": getattr(self.model_runner, "pcp_profile_peak_bytes",

@@ -1,31 +1,15 @@
-"""FlashInfer execution of a :class:`vllm_pcp.dcp.plan.DCPAttentionPlan` (GPU).
+"""FlashInfer execution of a :class:`vllm_pcp.dcp.plan.DCPAttentionPlan` (GPU): planned
+once per step, run per layer, as ``pcp_dcp_rank_attention`` of ``tests/reference.py``.
 
-Plan once per step on the CPU plan's tensors, run per layer. Three FlashInfer
-calls, mirroring ``pcp_dcp_rank_attention`` of the tests' plain-torch oracle
-(``tests/reference.py``):
-
-    new part        BatchPrefillWithRaggedKVCacheWrapper, causal, over this
-                    step's gathered K/V (rows of the request up to the row end);
-                    with ``plan.ctx_gather`` a split row's all-gathered context
-                    K/V comes first, and its row needs no merge
-    split context   BatchPrefillWithPagedKVCacheWrapper, non-causal, all ranks'
-                    split queries over this rank's shard -> all-to-all
-    replicated ctx  the same kernel over this rank's own copies (decode rows:
-                    BatchDecodeWithPagedKVCacheWrapper, split-KV) -> all-gather
-    merge           flashinfer.merge_states / merge_state, base-2 LSE
-
-A pure decode step (``plan.decode``) is one decode-kernel call over the shard,
-the new token included, then one all-gather of the packed ``(out, lse)`` and one
-merge.
-
-Partial states are in the model dtype: FlashInfer builds no attention
-kernel with float32 outputs (its JIT names output dtypes of 8 and 16 bits only),
-and its merge kernels take 16-bit values. Each piece is rounded once before the
-LSE merge; a one-GPU attention output is rounded once in all.
-
-This rank's shard is a plain paged sequence: local token o lives at
-``block_table[o // page_size]``, slot ``o % page_size`` (vLLM's DCP slot
-mapping), and a request keeps ``dcp_local_seq_len`` of its tokens.
+The new part is a causal ragged prefill over the step's gathered K/V (with
+``plan.ctx_gather``, a split row's context first: no merge); split context a non-causal
+paged prefill of all ranks' split queries over this rank's shard, then an all-to-all;
+replicated context the same kernel (one-query rows: the split-KV decode kernel), then an
+all-gather; the merges are ``flashinfer.merge_state(s)`` on base-2 LSEs. A pure decode step
+is one decode-kernel call, one all-gather and one merge. Partial states are in the model
+dtype (FlashInfer has no float32-output attention kernel and merges 16-bit values), each
+rounded once before the merge. The shard is a plain paged sequence: local token o at
+``block_table[o // page_size]``, slot ``o % page_size``.
 """
 from __future__ import annotations
 
@@ -42,13 +26,9 @@ from vllm_pcp.pcp.fence import PlanFence
 
 @dataclass
 class PlannedDCPStep:
-    """One step's device-side indexes and planned kernel calls, from
-    :meth:`DCPAttention.plan`; every layer of the step runs it. The wrappers it
-    names are planned for this step only (FlashInfer keeps a plan in the wrapper),
-    so a step is valid until the next :meth:`DCPAttention.plan`.
-
-    Rows ("rows" below) are query tokens of the rank's local input, ``[L]``.
-    """
+    """One step's device indexes and planned kernels (:meth:`DCPAttention.plan`), run by
+    every layer; valid until the next plan (FlashInfer keeps the plan in the wrapper).
+    "Rows" are query tokens of the rank's local input ``[L]``."""
 
     plan: DCPAttentionPlan
     decode_wrapper: object | None = None  # a pure decode step's planned decode wrapper
@@ -68,9 +48,8 @@ class PlannedDCPStep:
     buffers: dict = field(default_factory=dict)
 
     def read_context(self, kv_cache) -> torch.Tensor | None:
-        """The context K/V this rank stores for the step's split chunks, to send
-        with its new K/V (:func:`vllm_pcp.pcp.exchange.gather_kv`): ``[Lc, 2, Hkv, D]``
-        in the order of :class:`vllm_pcp.dcp.plan.ContextGather`; None without."""
+        """``[Lc, 2, Hkv, D]``: the context K/V this rank sends for the split chunks
+        (:class:`vllm_pcp.dcp.plan.ContextGather` order), or None."""
         if self.context_slots is None:
             return None
         page, slot = self.context_slots
@@ -88,7 +67,7 @@ class PlannedDCPStep:
 
 def _packed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
     """K and V as one view ``[..., 2, D]`` where V lies ``D`` elements after K with K's
-    strides, as vLLM's FlashInfer cache packs them in its last dim; else None."""
+    strides (vLLM's FlashInfer cache packing); else None."""
     dim = k_cache.shape[-1]
     if (k_cache.stride(-1) != 1 or v_cache.shape != k_cache.shape
             or v_cache.stride() != k_cache.stride()
@@ -98,8 +77,7 @@ def _packed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None
 
 
 class DCPAttention:
-    """FlashInfer wrappers for PCP x DCP attention on one rank: :meth:`plan` a step
-    once, :meth:`run` it in every layer."""
+    """FlashInfer wrappers of one rank: :meth:`plan` a step once, :meth:`run` it per layer."""
 
     def __init__(self, workspace: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, dtype: torch.dtype, sm_scale: float,
@@ -108,7 +86,6 @@ class DCPAttention:
         from vllm.v1.attention.backends.flashinfer import fast_plan_decode
 
         self._fast_plan_decode = fast_plan_decode
-
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.page_size, self.dtype, self.sm_scale = page_size, dtype, sm_scale
         self._merge_state, self._merge_states = flashinfer.merge_state, flashinfer.merge_states
@@ -119,8 +96,8 @@ class DCPAttention:
                                                                      backend="auto")
         self._replicated = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             workspace, kv_layout, backend="auto")
-        # Decode rows: FlashInfer's decode kernel splits each row's KV over the SMs (the
-        # prefill kernel that "auto" picks on Hopper runs one row's 16K keys on one CTA).
+        # decode rows: the decode kernel splits a row's KV over the SMs (the prefill
+        # kernel "auto" picks on Hopper runs one row's 16K keys on one CTA)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, kv_layout, use_tensor_cores=True)
         self._kv_layout = kv_layout
@@ -128,14 +105,10 @@ class DCPAttention:
 
     def plan(self, plan: DCPAttentionPlan, block_table: torch.Tensor,
              kv_gathered: bool = True) -> PlannedDCPStep:
-        """Plan the step's kernels; every index the layers use goes to the device here.
-
-        ``block_table``: ``[num_reqs, max_pages]`` int32 on the GPU, one row per request
-        of the step. Index arguments stay on the CPU (FlashInfer plans on the host).
-        ``kv_gathered``: :meth:`run` gets the step's K/V as the K/V exchange's buffer
-        (:func:`vllm_pcp.pcp.exchange.gather_kv`, context rows included); False: in
-        step order (a step whose tokens every rank computes).
-        """
+        """Plan the step's kernels (on the host) and move the layers' indexes to the device.
+        ``block_table``: ``[num_reqs, max_pages]`` int32 on the GPU. ``kv_gathered``:
+        :meth:`run` gets the K/V exchange's buffer
+        (:func:`vllm_pcp.pcp.exchange.gather_kv`), else the step's K/V in step order."""
         self._fence.wait()
         try:
             return self._plan_step(plan, block_table, kv_gathered)
@@ -175,10 +148,8 @@ class DCPAttention:
 
     def _plan_replicated(self, step: PlannedDCPStep, rows: AttentionRows,
                          block_table: torch.Tensor) -> None:
-        """Plan the replicated rows' calls into ``step``: decode rows (one query over a
-        long shard) on the split-KV decode kernel, as on folded decode steps; the
-        others on the paged prefill kernel. Indexes that are one run of rows become
-        slices."""
+        """Plan the replicated rows' calls into ``step``: one-query rows on the split-KV
+        decode kernel, the others on the paged prefill kernel."""
         dev, query_index = block_table.device, rows.query_index
         single = (rows.qo_indptr[1:] - rows.qo_indptr[:-1]) == 1
         step.num_replicated = len(query_index)
@@ -186,8 +157,8 @@ class DCPAttention:
         covered = 0
         for wrapper, query in ((self._replicated,
                                 self._plan_paged(self._replicated, rows, block_table, ~single)),
-                               (self._decode, self._plan_paged_decode(rows, block_table,
-                                                                      single))):
+                               (self._decode, self._plan_paged(self._decode, rows, block_table,
+                                                               single))):
             if query is not None:
                 step.replicated_calls.append(
                     (wrapper, rows_index(query, dev),
@@ -196,20 +167,22 @@ class DCPAttention:
         step.replicated_covered = covered == len(query_index)
 
     def _plan_decode(self, rows: AttentionRows, block_table: torch.Tensor):
-        """Plan the decode kernel: row i (one query, request i) over ``rows.kv_len[i]``
-        shard tokens; the planned wrapper."""
+        """Plan the decode wrapper: row i (request i) over ``rows.kv_len[i]`` shard tokens."""
+        self._fast_plan(*paged_kv_layout(rows.kv_len, block_table, self.page_size),
+                        rows.kv_len)
+        return self._decode
+
+    def _fast_plan(self, indptr, indices, last, kv_len) -> None:
         hq, hkv, dim = self.heads
-        indptr, indices, last = paged_kv_layout(rows.kv_len, block_table, self.page_size)
-        self._fast_plan_decode(self._decode, indptr, indices, last, rows.kv_len, hq, hkv,
+        self._fast_plan_decode(self._decode, indptr, indices, last, kv_len, hq, hkv,
                                dim, self.page_size, sm_scale=self.sm_scale,
                                q_data_type=self.dtype, kv_data_type=self.dtype,
                                o_data_type=self.dtype)
-        return self._decode
 
     def _paged_rows(self, rows: AttentionRows, block_table: torch.Tensor,
                     keep: torch.Tensor | None):
-        """The rows with context (of those ``keep`` marks) and their paged-KV
-        arguments ``(kept, indptr, indices, last_page_len)``, or None."""
+        """``(kept, indptr, indices, last_page_len)`` of the rows with context (of those
+        ``keep`` marks), or None."""
         kept = kept_rows(rows, keep)
         if len(kept.req) == 0:
             return None
@@ -219,42 +192,29 @@ class DCPAttention:
 
     def _plan_paged(self, wrapper, rows: AttentionRows, block_table: torch.Tensor,
                     keep: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Plan ``wrapper`` for the rows with context (of those ``keep`` marks); their
-        query rows (CPU), or None."""
+        """Plan ``wrapper`` (the decode one through vLLM's ``fast_plan_decode``) for the rows
+        with context (of those ``keep`` marks); their query rows (CPU), or None."""
         paged = self._paged_rows(rows, block_table, keep)
         if paged is None:
             return None
-        (kept, indptr, indices, last), (hq, hkv, dim) = paged, self.heads
-        wrapper.plan(kept.qo_indptr, indptr, indices, last, hq, hkv, dim,
-                     self.page_size, causal=False, sm_scale=self.sm_scale,
-                     q_data_type=self.dtype, kv_data_type=self.dtype,
-                     o_data_type=self.dtype)
-        return kept.query_index
-
-    def _plan_paged_decode(self, rows: AttentionRows, block_table: torch.Tensor,
-                           keep: torch.Tensor) -> torch.Tensor | None:
-        """Plan the decode wrapper for the one-query rows ``keep`` marks that have
-        context; their query rows (CPU), or None."""
-        paged = self._paged_rows(rows, block_table, keep)
-        if paged is None:
-            return None
-        (kept, indptr, indices, last), (hq, hkv, dim) = paged, self.heads
-        self._fast_plan_decode(self._decode, indptr, indices, last, kept.kv_len, hq, hkv,
-                               dim, self.page_size, sm_scale=self.sm_scale,
-                               q_data_type=self.dtype, kv_data_type=self.dtype,
-                               o_data_type=self.dtype)
+        kept, indptr, indices, last = paged
+        if wrapper is self._decode:
+            self._fast_plan(indptr, indices, last, kept.kv_len)
+        else:
+            hq, hkv, dim = self.heads
+            wrapper.plan(kept.qo_indptr, indptr, indices, last, hq, hkv, dim,
+                         self.page_size, causal=False, sm_scale=self.sm_scale,
+                         q_data_type=self.dtype, kv_data_type=self.dtype,
+                         o_data_type=self.dtype)
         return kept.query_index
 
     def run(self, step: PlannedDCPStep, group, q_local: torch.Tensor, k_step: torch.Tensor,
             v_step: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
             out: torch.Tensor | None = None) -> torch.Tensor:
-        """Run a planned step in one layer.
-
-        ``q_local [L, Hq, D]``; ``k_step/v_step``: the K/V exchange's buffer
-        ``[N * (P + Pc), Hkv, D]`` (split rows' context included, see :meth:`plan`),
-        or ``[T, Hkv, D]`` in step order; ``kv_cache`` this rank's paged (K, V) in
-        ``kv_layout``. Returns ``[L, Hq, D]``: ``out`` where given, written in place. On
-        a decode step ``q_local`` is the step's tokens and K/V are not read."""
+        """Run a planned step in one layer: ``q_local [L, Hq, D]``; ``k_step/v_step`` the
+        K/V exchange's ``[N * (P + Pc), Hkv, D]`` or ``[T, Hkv, D]`` in step order (unread
+        on a decode step); ``kv_cache`` this rank's paged (K, V). Returns ``[L, Hq, D]``,
+        ``out`` where given."""
         if step.plan.decode is not None:
             merged = self._run_decode(step, group, q_local, kv_cache)
             if out is None:
@@ -276,8 +236,8 @@ class DCPAttention:
 
     def _add_replicated_context(self, step: PlannedDCPStep, group, q_local, kv_cache,
                                 out, lse) -> None:
-        """Replicated rows: every rank holds the same queries; each attends its shard,
-        the partials are all-gathered and merged into ``out``/``lse`` in place."""
+        """Replicated rows: each rank attends its shard; partials all-gathered, merged
+        into ``out``/``lse`` in place."""
         send, part_out, part_lse = self._step_partials(  # rows that see no keys here
             step, "replicated", step.num_replicated, q_local, empty=not step.replicated_covered)
         part_out, part_lse = part_out[0], part_lse[0]
@@ -294,8 +254,7 @@ class DCPAttention:
 
     def _merge_into(self, out: torch.Tensor, lse: torch.Tensor, rows, ctx_o: torch.Tensor,
                     ctx_s: torch.Tensor) -> None:
-        """Merge the context states ``ctx_o``/``ctx_s`` into ``rows`` of ``out``/``lse``:
-        in place where ``rows`` is a slice (one kernel), else gathered and scattered."""
+        """Merge ``ctx_o``/``ctx_s`` into ``rows`` of ``out``/``lse`` (in place for a slice)."""
         if isinstance(rows, slice):
             self._merge_state_in_place(out[rows], lse[rows], ctx_o, ctx_s)
         else:
@@ -303,28 +262,24 @@ class DCPAttention:
 
     def _run_decode(self, step: PlannedDCPStep, group, q: torch.Tensor,
                     kv_cache) -> torch.Tensor:
-        """Every rank's shard partial of ``q [B, Hq, D]``, gathered and merged
-        (``B`` is the same on every rank)."""
+        """Every rank's shard partial of ``q [B, Hq, D]``, gathered and merged."""
         send, out, lse = self._partials(q.shape[0], q)
         step.decode_wrapper.run(q, kv_cache, out=out[0], lse=lse[0], return_lse=True)
         return self._gather_merged(group, send, q.shape)[0]
 
     def _partials(self, rows: int, q: torch.Tensor, blocks: int = 1):
-        """One buffer for ``blocks`` blocks of ``rows`` partial states, so that one
-        collective moves outputs and LSEs: ``(send, out [blocks, rows, Hq, D],
-        lse [blocks, rows, Hq] float32)``, the last two views of ``send``. Each
-        block is 128-byte aligned (the merge kernels' vector loads need it)."""
+        """``(send, out [blocks, rows, Hq, D], lse [blocks, rows, Hq] float32)``, views of
+        one buffer so that one collective moves both; blocks 128-byte aligned (the merge
+        kernels' vector loads need it)."""
         send = torch.empty(blocks * self._block_numel(rows, q.shape), dtype=self.dtype,
                            device=q.device)
         return (send, *self._unpack(send, blocks, rows, q.shape))
 
     def _step_partials(self, step: PlannedDCPStep, name: str, rows: int, q: torch.Tensor,
                        blocks: int = 1, empty: bool = False):
-        """:meth:`_partials` made in the step's first layer and reused by the rest. The
-        layers run one after another on one stream, and each layer's collective has
-        read the buffer before the next layer's kernels write it. ``empty``: made as
-        empty states (output 0, LSE -inf); every layer of the step writes the same
-        rows, so the rows no kernel writes stay empty."""
+        """:meth:`_partials` made in the step's first layer and reused by the rest (one
+        stream: a layer's collective reads them before the next layer writes). ``empty``:
+        made as output 0, LSE -inf; every layer writes the same rows, the rest stay so."""
         key = (name, rows, blocks, *q.shape[1:])
         made = step.buffers.get(key)
         if made is None:
@@ -334,14 +289,12 @@ class DCPAttention:
         return made
 
     def _block_numel(self, rows: int, shape) -> int:
-        """Elements (of ``self.dtype``) of one block: ``rows`` outputs, their LSEs,
-        rounded up to 128 bytes."""
+        """Elements of one block: ``rows`` outputs and LSEs, rounded up to 128 bytes."""
         size = rows * shape[1] * (shape[2] + 4 // self.dtype.itemsize)
         return -(-size * self.dtype.itemsize // 128) * 128 // self.dtype.itemsize
 
     def _unpack(self, buf: torch.Tensor, blocks: int, rows: int, shape):
-        """Views ``(out [blocks, rows, Hq, D], lse [blocks, rows, Hq])`` of a buffer
-        of ``blocks`` blocks laid out by :meth:`_partials`."""
+        """The views ``(out, lse)`` of a :meth:`_partials` buffer."""
         hq, dim = shape[1], shape[2]
         size = rows * hq * dim
         buf = buf.view(blocks, self._block_numel(rows, shape))
@@ -349,28 +302,26 @@ class DCPAttention:
         return buf[:, :size].view(blocks, rows, hq, dim), lse.view(blocks, rows, hq)
 
     def _gather_merged(self, group, send: torch.Tensor, shape):
-        """All-gather every rank's :meth:`_partials` buffer (one block) and merge the
-        states by LSE: ``(out [rows, Hq, D], lse [rows, Hq])``, ``shape = (rows, Hq, D)``."""
+        """All-gather every rank's one-block :meth:`_partials` buffer and merge by LSE:
+        ``(out [rows, Hq, D], lse [rows, Hq])``."""
         outs, lses = self._unpack(group.all_gather(send, dim=0), group.world_size,
                                   shape[0], shape)
         return self._merge_ranks(outs, lses)
 
     def _merge_ranks(self, outs: torch.Tensor, lses: torch.Tensor):
-        """Merge ``outs [N, rows, Hq, D]`` / ``lses [N, rows, Hq]`` (one block per rank)
-        by LSE: ``(out [rows, Hq, D], lse [rows, Hq])``."""
+        """Merge ``outs [N, rows, Hq, D]`` / ``lses [N, rows, Hq]`` by LSE."""
         if len(outs) == 2:
             return self._merge_state(outs[0], lses[0], outs[1], lses[1])
         return self._merge_states(outs.transpose(0, 1).contiguous(),
                                   lses.transpose(0, 1).contiguous())
 
     def _out_like(self, q: torch.Tensor) -> torch.Tensor:
-        """An output buffer for one kernel's partial states."""
         return torch.empty(q.shape, dtype=self.dtype, device=q.device)
 
     def _add_split_context(self, step: PlannedDCPStep, group, q_local, kv_cache, out,
                            lse) -> None:
-        """Split rows: every rank's queries against this rank's shard, partials back
-        to their owners by all-to-all, merged into ``out``/``lse`` in place."""
+        """Split rows: every rank's queries over this rank's shard, partials back to their
+        owners by all-to-all, merged into ``out``/``lse`` in place."""
         n, padded = group.world_size, step.plan.pcp.num_padded_tokens_per_rank
         q_all = all_gather_padded(group, q_local, padded)
         # block q of the buffer: partials of rank q's queries, outputs and LSEs together

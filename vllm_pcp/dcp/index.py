@@ -1,7 +1,5 @@
-"""Index arithmetic that :class:`vllm_pcp.dcp.attention.DCPAttention` plans with,
-once per step on the CPU: FlashInfer's paged-KV arguments of a rank's shard, the
-cache slots of the context a rank sends, and the row sets the layers read and
-write (as slices where they are one run of rows). Pure functions of tensors."""
+"""Index arithmetic :class:`vllm_pcp.dcp.attention.DCPAttention` plans with on the CPU:
+paged-KV arguments of a shard, cache slots of the context sent, row sets of the layers."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,14 +11,9 @@ from vllm_pcp.pcp.partition import expand_ranges, indptr_of
 
 def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
                     page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's paged-KV arguments for rows of ``kv_len`` local tokens.
-
-    ``kv_len`` is ``[R]`` on the CPU; ``block_table`` is ``[R, max_pages]``
-    (one row per attention row) on any device. Returns ``indptr [R + 1]`` and
-    ``last_page_len [R]`` on the CPU and ``indices [sum pages]`` on the block
-    table's device, all int32. The page list is gathered by index, so the
-    device never has to report a count back (no synchronization).
-    """
+    """FlashInfer's paged-KV arguments for rows of ``kv_len [R]`` (CPU) local tokens over
+    ``block_table [R, max_pages]``: int32 ``indptr [R + 1]`` and ``last_page_len [R]`` on the
+    CPU, ``indices [sum pages]`` gathered by index on the table's device (no sync)."""
     kv_len = kv_len.numpy().astype(np.int64)
     pages = -(-kv_len // page_size)
     flat = expand_ranges(np.arange(len(kv_len)) * block_table.shape[1], pages)
@@ -31,9 +24,8 @@ def paged_kv_layout(kv_len: torch.Tensor, block_table: torch.Tensor,
 
 def context_slots(gather: ContextGather, block_table: torch.Tensor,
                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page and in-page slot of each context token this rank sends: the first
-    ``gather.local_len[g]`` tokens of request ``gather.req[g]``'s shard, request
-    after request; both ``[sum local_len]`` int64 on the block table's device."""
+    """Page and slot (``[sum local_len]`` int64, table's device) of each context token sent:
+    the first ``gather.local_len[g]`` of request ``gather.req[g]``'s shard."""
     lens = gather.local_len.numpy().astype(np.int64)
     offsets = expand_ranges(np.zeros_like(lens), lens)
     req = np.repeat(gather.req.numpy().astype(np.int64), lens)
@@ -43,13 +35,12 @@ def context_slots(gather: ContextGather, block_table: torch.Tensor,
 
 
 def _to(index: np.ndarray, device) -> torch.Tensor:
-    """An int64 index array on ``device``, copied without waiting for the device."""
+    """An int64 index array on ``device``, copied without waiting."""
     return torch.from_numpy(index.astype(np.int64, copy=False)).to(device, non_blocking=True)
 
 
 def kept_rows(rows: AttentionRows, keep: torch.Tensor | None = None) -> AttentionRows:
-    """The rows with keys (kv_len 0 rows dropped, with their query tokens), of those
-    ``keep`` marks if given."""
+    """The rows with keys (of those ``keep`` marks), with their query tokens."""
     keep = rows.kv_len.numpy() > 0 if keep is None else keep.numpy() & (rows.kv_len.numpy() > 0)
     lens = np.diff(rows.qo_indptr.numpy())
     per_token = np.repeat(keep, lens)
@@ -66,9 +57,8 @@ def owned_split_tokens(plan: DCPAttentionPlan) -> torch.Tensor | None:
 
 
 def rows_index(index: torch.Tensor, device) -> torch.Tensor | slice:
-    """``index`` (CPU, ascending rows or not) as a slice where it is one run of
-    consecutive rows, so that reading and writing those rows is a view and a copy
-    rather than a gather and a scatter; else the index on ``device``."""
+    """``index`` (CPU) as a slice where it is one run of rows (a view, not a gather), else
+    on ``device``."""
     n = len(index)
     if n and int(index[-1]) - int(index[0]) == n - 1 and bool((index.diff() == 1).all()):
         return slice(int(index[0]), int(index[0]) + n)

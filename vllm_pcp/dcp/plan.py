@@ -1,45 +1,26 @@
 """Attention plan for PCP with the KV cache sharded over the same ranks (DCP == PCP).
 
-With ``-pcp N -dcp N`` rank d stores only the KV tokens it owns
-(:mod:`vllm_pcp.dcp.layout`). A local query row of a request with C tokens
-computed before this step needs two pieces of keys::
+Rank d stores only the KV tokens it owns (:mod:`.layout`); a local row of a request with C
+tokens computed before this step attends two pieces of keys::
 
-    keys of a row     [ context: 0 .. C )           [ new: C .. row end )
-                        sharded over the N ranks       this step's tokens: gathered
-                        (written in earlier steps)     on every rank before the write
+    keys of a row   [ context 0 .. C: sharded, earlier steps ][ new C .. row end: gathered ]
+    new part        causal over the gathered new K/V, on every rank
+    context part    non-causal over each rank's shard -> N partials merged by LSE (base 2)
+      split rows      all-gather Q; every rank attends all ranks' split queries;
+                      all-to-all sends each partial to its owner
+      replicated      every rank attends its own copy; all-gather the partials
+    result          merge(context, new)
 
-    new part          causal, from the gathered new K/V, on every rank locally
-    context part      non-causal over each rank's shard -> N partial states,
-                      merged by LSE (base 2):
-      split rows        all-gather Q; every rank attends all ranks' split queries
-                        to its shard; all-to-all sends each partial to its owner
-      replicated rows   every rank attends its own (identical) copy; all-gather
-                        the partials
-    result            merge(context, new)
+Split rows may instead fetch their context (``context_exchange="keys"``): each rank sends
+the context K/V it stores in the all-gather of its new K/V (``[P new | Pc context]`` rows),
+and the row attends causally to ``context + new``, nothing to merge: ``N * Pc`` K/V rows
+instead of ``N * P`` queries out and partials back; ``"auto"`` picks by those sizes. The
+context is read before the cache write, so a request whose context the step may write
+(:func:`context_maybe_written_in_step`) sends its queries instead.
 
-Split rows can instead fetch their context (``context_exchange="keys"``): every
-rank sends the context K/V it stores of the split requests in the same
-all-gather as its new K/V (``[P new | Pc context]`` rows per rank), and a split
-row attends causally to ``context + new`` in the new-part call, with nothing to
-merge. That moves ``N * Pc`` K/V rows instead of ``N * P`` queries out and
-partial outputs back (``Pc``: the most context tokens any rank stores), the
-cheaper when the context is short next to the chunk or the model has few KV
-heads; ``"auto"`` picks by those sizes, the same on every rank. The context is
-read before the step's cache write, so a request whose context another request
-may write in the same step (a prefix hit on blocks vLLM cached at allocation,
-:func:`context_maybe_written_in_step`) never fetches it: its split rows take the
-queries road, which reads the cache after the write, while the step's other split
-requests may still fetch theirs (``"auto"`` sizes only those).
-
-A pure decode step (one token per request, and every rank stores at least one
-token of every request) takes a shorter road. The cache write comes before
-attention, so the new token is already in its owner's shard: each rank attends
-its shard once (``decode`` rows, the new token counted), one all-gather of the
-partials, one merge. No K/V exchange, no new part, no restore of the outputs.
-
-Pure functions of the scheduler output, like :mod:`vllm_pcp.pcp.partition`. Every
-collective size here -- ``N * P`` gathered queries, the replicated-token count
--- is the same on every rank.
+A pure decode step (one token per request, every rank storing a token of each) needs no
+K/V exchange: after the cache write each rank attends its shard once, then one all-gather
+of the partials and one merge. Every collective size is the same on every rank.
 """
 from __future__ import annotations
 
@@ -57,62 +38,33 @@ from vllm_pcp.pcp.partition import PrefillContextParallelMetadata, expand_ranges
 
 @dataclass(frozen=True)
 class AttentionRows:
-    """One kernel call: rows of queries read from a query buffer.
+    """One kernel call: rows of queries read from a query buffer."""
 
-    Attributes
-    ----------
-    query_index : torch.Tensor
-        ``[M]`` int64, buffer row of each query token, row after row.
-    qo_indptr : torch.Tensor
-        ``[R + 1]`` int32, cumulative query counts.
-    req : torch.Tensor
-        ``[R]`` int32, batch index of each row's request (its block table).
-    kv_len : torch.Tensor
-        ``[R]`` int32, keys the row attends to (0: the row contributes nothing).
-    """
-
-    query_index: torch.Tensor
-    qo_indptr: torch.Tensor
-    req: torch.Tensor
-    kv_len: torch.Tensor
+    query_index: torch.Tensor  # [M] int64, buffer row of each query token, row after row
+    qo_indptr: torch.Tensor  # [R + 1] int32, cumulative query counts
+    req: torch.Tensor  # [R] int32, batch index of each row's request (its block table)
+    kv_len: torch.Tensor  # [R] int32, keys the row attends to (0: contributes nothing)
 
 
 @dataclass(frozen=True)
 class ContextGather:
-    """The context K/V of the split requests, all-gathered (``context_exchange="keys"``).
+    """The context K/V of the split requests, all-gathered (``context_exchange="keys"``)."""
 
-    Attributes
-    ----------
-    req : torch.Tensor
-        ``[G]`` int32, the split requests with context, in batch order.
-    local_len : torch.Tensor
-        ``[G]`` int32, context tokens of each that this rank stores: its shard's
-        first ``local_len`` tokens, sent in request order.
-    num_padded : int
-        ``Pc``, rows every rank sends: the most that any rank stores.
-    """
-
-    req: torch.Tensor
-    local_len: torch.Tensor
-    num_padded: int
+    req: torch.Tensor  # [G] int32, the split requests with context, in batch order
+    local_len: torch.Tensor  # [G] int32, context tokens of each this rank stores and sends
+    num_padded: int  # Pc, rows every rank sends: the most that any rank stores
 
 
 @dataclass(frozen=True)
 class DCPAttentionPlan:
-    """One step of PCP x DCP attention, seen from ``dcp_rank``.
-
-    ``pcp`` is the step's PCP plan (local rows, gathered layout). The new part
-    reads ``new_kv_token_index[new_kv_indptr[j]:new_kv_indptr[j + 1]]`` for local
-    row j, causally: rows of ``[step K/V (T, step order); gathered context K/V
-    (N * Pc)]``, the latter only with ``ctx_gather``. ``new_kv_gathered_index``
-    names the same keys as rows of the K/V exchange's buffer
-    (:func:`gathered_kv_index`), which the layers read without restoring it.
-    ``ctx_split`` reads the all-gathered query buffer ``[N * P]``; ``ctx_replicated`` reads local
-    queries, in an order that is the same on every rank. ``decode`` is set on a
-    pure decode step only (:func:`is_folded_decode`): row i is request i, its
-    query is step token i, and ``kv_len`` counts the shard's tokens with the
-    new one; the general fields are then None (not built: host time per step).
-    """
+    """One step of PCP x DCP attention, seen from ``dcp_rank``; ``pcp`` is the step's PCP
+    plan. Local row j's new part reads, causally, rows
+    ``new_kv_token_index[new_kv_indptr[j]:new_kv_indptr[j + 1]]`` of ``[step K/V (T);
+    gathered context K/V (N * Pc), with ctx_gather]``; ``new_kv_gathered_index`` names them
+    in the K/V exchange's buffer (:func:`gathered_kv_index`). ``ctx_split`` reads the
+    gathered queries ``[N * P]``, ``ctx_replicated`` local ones in an order alike on every
+    rank. On a pure decode step (:func:`is_folded_decode`) only ``decode`` is built: row i
+    is request i, query step token i, ``kv_len`` its shard's tokens with the new one."""
 
     pcp: PrefillContextParallelMetadata | None
     dcp_world_size: int
@@ -135,11 +87,9 @@ class DCPAttentionPlan:
 def _attention_rows(starts: np.ndarray, lens: np.ndarray, reqs: np.ndarray,
                     kv_lens: np.ndarray) -> AttentionRows:
     """Rows reading ``lens[r]`` consecutive buffer rows from ``starts[r]``."""
-    return AttentionRows(
-        query_index=torch.from_numpy(expand_ranges(starts, lens)),
-        qo_indptr=indptr_of(lens),
-        req=torch.from_numpy(reqs.astype(np.int32)),
-        kv_len=torch.from_numpy(kv_lens.astype(np.int32)))
+    return AttentionRows(query_index=torch.from_numpy(expand_ranges(starts, lens)),
+                         qo_indptr=indptr_of(lens), req=torch.from_numpy(reqs.astype(np.int32)),
+                         kv_len=torch.from_numpy(kv_lens.astype(np.int32)))
 
 
 def _request_rows(meta: PrefillContextParallelMetadata, wanted: np.ndarray):
@@ -152,9 +102,8 @@ def _request_rows(meta: PrefillContextParallelMetadata, wanted: np.ndarray):
 
 def _queried_split_rows(metas: Sequence[PrefillContextParallelMetadata],
                         queried: np.ndarray, local_kv: np.ndarray) -> AttentionRows:
-    """Split rows of every rank whose request is ``queried`` (``[R]`` bool): they
-    read the all-gathered query buffer ``[N * P]`` and attend this rank's shard
-    (``local_kv [R]`` tokens of each request)."""
+    """Every rank's split rows of ``queried`` requests: they read the gathered queries
+    ``[N * P]`` and attend this rank's shard (``local_kv [R]`` tokens a request)."""
     padded = metas[0].num_padded_tokens_per_rank
     parts = [_request_rows(meta, queried) for meta in metas]
     s_req = np.concatenate([p[0] for p in parts])
@@ -166,13 +115,9 @@ def _queried_split_rows(metas: Sequence[PrefillContextParallelMetadata],
 def _gather_context(computed: np.ndarray, wanted: np.ndarray, world_size: int, rank: int,
                     interleave: int, num_padded_queries: int, kv_to_q_heads: float,
                     context_exchange: str):
-    """``(ContextGather, {request: gathered row of each context token})`` for the
-    ``wanted`` requests (those that may fetch: split, their context written in
-    earlier steps) when their context K/V moves, else ``(None, {})``.
-
-    ``"auto"`` moves K/V when ``Pc * kv_to_q_heads <= P`` (K and V rows against
-    queries out and partial outputs back), sizes every rank computes alike.
-    """
+    """``(ContextGather, {request: gathered row of each context token})`` of the
+    ``wanted`` requests when their context K/V moves, else ``(None, {})``; ``"auto"``
+    moves it when ``Pc * kv_to_q_heads <= P``."""
     if context_exchange not in CONTEXT_EXCHANGES:
         raise ValueError(f"context_exchange {context_exchange!r} not in {CONTEXT_EXCHANGES}")
     reqs = np.flatnonzero(wanted)
@@ -214,24 +159,9 @@ def _new_part(rows_req: np.ndarray, token_start: np.ndarray, new_lens: np.ndarra
 
 def gathered_kv_index(new_kv_token_index: torch.Tensor, restore_indices: torch.Tensor,
                       num_padded_tokens_per_rank: int, num_context_rows: int) -> torch.Tensor:
-    """``new_kv_token_index`` as rows of the buffer one all-gather of every rank's
-    ``[P new K/V rows | Pc context rows]`` returns (:func:`vllm_pcp.pcp.exchange.gather_kv`).
-
-    Parameters
-    ----------
-    new_kv_token_index : torch.Tensor
-        ``[K]`` int64: ``t < T`` is step token t, ``T + c`` gathered context row c
-        (rank ``c // Pc``, its row ``c % Pc``).
-    restore_indices : torch.Tensor
-        ``[T]`` int64, gathered row ``r * P + j`` of each step token.
-    num_padded_tokens_per_rank, num_context_rows : int
-        ``P`` and ``Pc`` (0: no context rows), the same on every rank.
-
-    Returns
-    -------
-    torch.Tensor
-        ``[K]`` int64 rows of the ``[N * (P + Pc)]`` buffer.
-    """
+    """``new_kv_token_index`` (``[K]``: ``t < T`` step token t, ``T + c`` context row c of
+    rank ``c // Pc``) as ``[K]`` int64 rows of :func:`vllm_pcp.pcp.exchange.gather_kv`'s
+    ``[N * (P + Pc)]`` buffer; ``restore_indices [T]`` gives each step token's row."""
     index = new_kv_token_index.numpy().astype(np.int64, copy=False)
     restore = restore_indices.numpy().astype(np.int64, copy=False)
     num_tokens, padded = len(restore), num_padded_tokens_per_rank
@@ -252,8 +182,7 @@ def min_folded_seq_len(world_size: int, interleave: int) -> int:
 
 def is_folded_decode(num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                      world_size: int, interleave: int) -> bool:
-    """True when every request decodes one token and every rank stores at least one
-    of its tokens (the new one included). Scheduler output only: the same on every rank."""
+    """Every request decodes one token and every rank stores one of its tokens."""
     seq_lens = num_computed_tokens + num_scheduled_tokens
     return (len(num_scheduled_tokens) > 0 and bool((num_scheduled_tokens == 1).all())
             and bool((seq_lens >= min_folded_seq_len(world_size, interleave)).all()))
@@ -274,12 +203,10 @@ def context_maybe_written_in_step(num_computed_tokens: np.ndarray,
                                   num_scheduled_tokens: np.ndarray) -> np.ndarray:
     """``[R]`` bool: requests whose cached context another request of the step may write.
 
-    vLLM caches a request's blocks when it allocates them, so a request scheduled beside
-    another (``n > 1``, a shared system prompt) can count as computed the tokens that the
-    other computes in this very step, on the same blocks. Prefix sharing is by whole
-    blocks at the same positions: request j writes positions ``[C_j, C_j + S_j)``, which
-    lie in request i's context ``[0, C_i)`` only if ``C_j < C_i``. This flags every i with
-    such a j, a superset of the real hits, from the scheduler output alone."""
+    vLLM caches blocks at allocation, so a request beside another (``n > 1``, a shared
+    system prompt) can count as computed tokens the other computes in this step. Sharing is
+    by whole blocks at the same positions: j writes ``[C_j, C_j + S_j)``, inside i's context
+    ``[0, C_i)`` only if ``C_j < C_i``; every such i is flagged (a superset of real hits)."""
     computed = np.asarray(num_computed_tokens, dtype=np.int64)
     writes = np.asarray(num_scheduled_tokens, dtype=np.int64) > 0
     if not writes.any():
@@ -289,15 +216,9 @@ def context_maybe_written_in_step(num_computed_tokens: np.ndarray,
 
 def build_dcp_plan(step, interleave: int, *, context_exchange: str = "queries",
                    kv_to_q_heads: float = 1.0) -> DCPAttentionPlan:
-    """Plan one step for this rank of a group that is both the PCP and the DCP group.
-
-    ``step``: the step's split (:class:`vllm_pcp.manager.PCPStep`: every rank's view,
-    the scheduled and computed tokens). ``context_exchange``: how split rows reach their
-    context, one of :data:`CONTEXT_EXCHANGES` (module docstring); ``kv_to_q_heads``: KV
-    heads per query head, for ``"auto"``. Requests whose context this step may write
-    (:func:`context_maybe_written_in_step`) reach it through the queries exchange,
-    whatever the knob.
-    """
+    """Plan one step (:class:`vllm_pcp.manager.PCPStep`) for this rank of a group that is
+    both the PCP and the DCP group. ``context_exchange``: one of :data:`CONTEXT_EXCHANGES`
+    (module docstring); ``kv_to_q_heads``: KV heads per query head, for ``"auto"``."""
     computed = np.asarray(step.num_computed_tokens, dtype=np.int64).reshape(-1)
     scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64).reshape(-1)
     metas, rank = step.plans, step.pcp_rank
@@ -310,13 +231,11 @@ def build_dcp_plan(step, interleave: int, *, context_exchange: str = "queries",
     mine, padded = metas[rank], metas[0].num_padded_tokens_per_rank
     token_start = np.cumsum(scheduled) - scheduled
     split = mine.split.numpy()
-
     local_kv = dcp_local_seq_len(torch.from_numpy(computed), rank, world_size,
                                  interleave).numpy()
     has_context = computed > 0
     # context that this step writes is in the cache only after the write: not fetched
     may_fetch = split & has_context & ~context_maybe_written_in_step(computed, scheduled)
-
     rows_req = mine.row_req_indices.numpy().astype(np.int64)
     new_lens = mine.seq_lens.numpy().astype(np.int64) - computed[rows_req]
     gather, context_rows = _gather_context(computed, may_fetch, world_size, rank,
@@ -324,16 +243,13 @@ def build_dcp_plan(step, interleave: int, *, context_exchange: str = "queries",
                                            context_exchange)
     new_index, new_indptr = _new_part(rows_req, token_start, new_lens, context_rows,
                                       int(scheduled.sum()))
-
     # every split request with context either fetched it or sends its queries
     fetched = np.zeros_like(split)
     if gather is not None:
         fetched[gather.req.numpy()] = True
-
-    # Replicated rows with context, ordered by request: the same order everywhere.
+    # replicated rows with context, ordered by request: the same order everywhere
     r_req, r_start, r_len = _request_rows(mine, ~split & has_context)
     order = np.argsort(r_req, kind="stable")
-
     return DCPAttentionPlan(
         pcp=mine, dcp_world_size=world_size, dcp_rank=rank, interleave=interleave,
         new_kv_token_index=new_index, new_kv_indptr=new_indptr,

@@ -1,9 +1,5 @@
-"""Runtime patches of vLLM 0.33.0: one upstream symbol per module.
-
-Each module's docstring says Why / How / Upstream status / Removal plan; the index,
-with the vLLM internals the subclasses rely on, is ``README.md`` here. Every process
-applies them (:func:`vllm_pcp.register`).
-"""
+"""Runtime patches of vLLM 0.33.0, one upstream symbol per module (Why / How / Upstream
+status / Removal plan in each); the index is ``README.md`` here."""
 from __future__ import annotations
 
 from vllm_pcp.patches import model_config_dcp, platform_config
@@ -18,9 +14,7 @@ def apply_all() -> None:
 
 
 def refuse_pcp(reason: str) -> None:
-    """On a vLLM the plugin does not run on: refuse ``-pcp`` at start-up with ``reason``
-    (:func:`vllm_pcp.patches.platform_config.apply` with a refusal in place of the
-    plugin's checks); where even that hook is missing, nothing is patched."""
+    """Refuse ``-pcp`` with ``reason`` (a vLLM the plugin does not run on), if it can."""
     try:
         platform_config.apply(refusal=reason)
     except (ImportError, AttributeError):

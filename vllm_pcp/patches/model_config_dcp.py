@@ -1,23 +1,18 @@
 """Patch of ``vllm.config.model.ModelConfig.verify_with_parallel_config``.
 
 Why
-    vLLM 0.33.0 asserts, for every non-MLA model with DCP > 1, that the TP size
-    exceeds the KV-head count and bounds DCP by ``TP // kv_heads``. Those
-    checks describe DCP inside TP, where KV heads are replicated across TP
-    ranks. With DCP == PCP the cache is sharded over the PCP ranks instead and
-    every rank keeps all of its KV heads, so the checks refuse valid configs
-    (``-pcp 2 -dcp 2`` on any GQA model at TP 1).
+    vLLM 0.33.0 asserts, for non-MLA models with DCP > 1, TP above the KV-head count and
+    DCP within ``TP // kv_heads``: checks of DCP inside TP, where KV heads are replicated.
+    With DCP == PCP the cache is sharded over the PCP ranks, each keeping all its KV heads,
+    so they refuse valid configs (``-pcp 2 -dcp 2`` on any GQA model at TP 1).
 How
-    Wrap the method: when PCP > 1 and DCP == PCP on a non-MLA model, run vLLM's
-    own body with ``decode_context_parallel_size`` shown as 1, then restore it.
-    Every other check of the method still runs; other configs pass through.
+    When PCP > 1 and DCP == PCP on a non-MLA model, run vLLM's body with
+    ``decode_context_parallel_size`` shown as 1, then restore it; every other check runs.
 Upstream status
-    Reported as vLLM issue #51429 (open: ``verify_with_parallel_config`` rejects
-    DCP-over-PCP topologies that ``ParallelConfig`` accepts); PR #51490 (closed)
-    and PR #55030 (open) scale the bound by the PCP size. Pinned by the tests
-    the index (``README.md`` here) names.
+    vLLM issue #51429 (open); PR #51490 (closed) and PR #55030 (open) scale the bound by
+    the PCP size. Pinned by the tests the index (``README.md`` here) names.
 Removal plan
-    Drop this file once vLLM checks DCP against the axis it actually spans.
+    Drop once vLLM checks DCP against the axis it actually spans.
 """
 from __future__ import annotations
 

@@ -1,27 +1,20 @@
 """Patch of ``vllm.platforms.cuda.CudaPlatformBase.check_and_update_config``.
 
 Why
-    vLLM 0.33.0 has no hook between parsing flags and spawning workers where a
-    general plugin can check a PCP config or choose the worker class; the
-    platform's ``check_and_update_config`` is where vLLM itself resolves
-    ``worker_cls = "auto"``. Without this, ``vllm serve M -pcp 2`` would need
-    ``--worker-cls`` and a refusal would come late, from every worker.
+    vLLM 0.33.0 has no hook between parsing flags and spawning workers where a general
+    plugin can check a PCP config or choose the worker class; this method is where vLLM
+    resolves ``worker_cls = "auto"``. Without it, ``vllm serve M -pcp 2`` would need
+    ``--worker-cls`` and refusals would come late, from every worker.
 How
-    Wrap the classmethod of the current platform's class when it is CUDA: run
-    vLLM's own body first, then :func:`vllm_pcp.config.prepare_pcp_config`,
-    which validates PCP > 1 on non-MLA models, sets ``parallel_config.worker_cls``
-    to the plugin's worker and the CUDA graph mode it runs. PCP = 1 and MLA models
-    pass through untouched. On another vLLM (``refusal``), the wrap refuses
-    ``-pcp`` on a non-MLA model with that message instead.
+    Wrap the CUDA platform's classmethod: vLLM's body, then
+    :func:`vllm_pcp.config.prepare_pcp_config` (PCP = 1 and MLA models pass untouched).
+    On another vLLM the wrap refuses ``-pcp`` on a non-MLA model with ``refusal``.
 Upstream status
-    None found: no vLLM issue or PR for a plugin hook that finalises the config
-    or chooses the worker. ``Worker._make_model_runner`` and
-    ``GPUModelRunner.pcp_manager_cls`` (vLLM 0.28, 0.32) let a worker choose its
-    runner and manager, but the worker class itself is still chosen here. Pinned
-    by the tests the index (``README.md`` here) names.
+    None found: no vLLM issue or PR for a plugin hook that finalises the config or
+    chooses the worker (``Worker._make_model_runner`` and ``pcp_manager_cls`` choose the
+    runner and manager). Pinned by the tests the index (``README.md`` here) names.
 Removal plan
-    Drop this file once vLLM lets a general plugin choose the worker for PCP, or
-    once vLLM runs GQA PCP itself.
+    Drop once vLLM lets a general plugin choose the worker for PCP, or runs GQA PCP itself.
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """Check mode: every PCP rank samples the same tokens.
 
-Every PCP rank runs vLLM's sampler on its own copy of the step's logits, and with
-async scheduling each rank feeds its own sampled tokens into its next step. With
-``-tp T -pcp N`` each PCP rank's TP group computes the steps that split nothing on
-its own, so the ranks stay in step only while every TP group gets bitwise-identical
-logits. ``VLLM_PCP_CHECK_SAMPLED_TOKENS=1`` (read once, when the runner is built)
-all-gathers each step's sampled token ids over the PCP group and stops the engine at
-the first step whose ranks differ. It costs one small all-gather and one host sync a
-step; off (the default), nothing runs.
+Each PCP rank samples from its own logits and, with async scheduling, feeds its tokens
+into its next step; under ``-tp T -pcp N`` each TP group computes unsplit steps on its own,
+so the ranks stay in step only while their logits are bitwise identical.
+``VLLM_PCP_CHECK_SAMPLED_TOKENS=1`` (read when the runner is built) all-gathers each step's
+sampled ids over the PCP group and stops the engine at the first step whose ranks differ:
+one small all-gather and one host sync a step; off (the default), nothing runs.
 """
 from __future__ import annotations
 
@@ -27,35 +25,17 @@ def check_enabled(environ=os.environ) -> bool:
 
 
 def differing_ranks(gathered: torch.Tensor, world_size: int) -> list[int]:
-    """The ranks whose sampled token ids differ from rank 0's.
-
-    Parameters
-    ----------
-    gathered : torch.Tensor
-        Every rank's sampled ids, concatenated in rank order along dim 0 (the
-        group's all-gather of ``[R, ...]`` ids: ``[world_size * R, ...]``).
-    world_size : int
-        The number of ranks gathered.
-
-    Returns
-    -------
-    list[int]
-        Ranks ``r >= 1`` whose block differs from rank 0's, ascending; empty when
-        all agree.
-    """
+    """Ranks ``r >= 1`` (ascending) whose block of ``gathered`` (every rank's ids, rank
+    order along dim 0) differs from rank 0's."""
     blocks = gathered.reshape(world_size, -1)
     differs = (blocks[1:] != blocks[:1]).any(dim=1)
     return [rank + 1 for rank in differs.nonzero().flatten().tolist()]
 
 
 class SampledTokenCheck:
-    """The check of one rank: :meth:`check` every step's sampled ids.
-
-    Every rank calls :meth:`check` at the same point of every step with ids of the
-    same shape (the number of sampled tokens comes from the scheduler output, the
-    same on every rank), so the all-gather lines up. ``checked`` counts the steps
-    checked so far.
-    """
+    """One rank's check. Every rank calls :meth:`check` at the same point of every step
+    with ids of one shape (from the scheduler output), so the all-gather lines up;
+    ``checked`` counts the steps checked."""
 
     def __init__(self, group, enabled: bool):
         self.group = group  # vLLM GroupCoordinator of the PCP ranks
@@ -71,9 +51,7 @@ class SampledTokenCheck:
         return check
 
     def check(self, sampled_token_ids: torch.Tensor) -> None:
-        """Compare this step's ``sampled_token_ids`` (``[R, k]``) across the ranks;
-        raises RuntimeError naming the step (counted from 1) and the ranks that
-        differ from rank 0."""
+        """Compare ``sampled_token_ids [R, k]`` across the ranks; RuntimeError if any differ."""
         if not self.enabled:
             return
         self.checked += 1

@@ -10,25 +10,13 @@ logger = init_logger("vllm.vllm_pcp.pcp.counts")
 
 @dataclass
 class PCPStepCounts:
-    """This rank's steps so far, for logs and tests (``LLM.collective_rpc(
-    "pcp_step_counts")``: one dict per rank).
+    """This rank's steps so far (``LLM.collective_rpc("pcp_step_counts")``)."""
 
-    steps : steps the manager partitioned.
-    split_steps : steps with a split request.
-    fresh_split_steps : split steps without cached context (fresh prompts): at DCP = 1
-        with ``pcp_split_attention`` ``auto`` their rows attend with FlashInfer's ragged
-        kernel (:mod:`vllm_pcp.pcp.ragged`) where the layers allow it.
-    gathered_steps : steps whose layers all-gathered the K/V (split steps, and every
-        step under the ``shard`` decode policy).
-    steps_without_local_tokens : steps in which this rank had no token (``shard``: fewer
-        decodes than ranks); it ran one empty row and joined every collective.
-    """
-
-    steps: int = 0
+    steps: int = 0  # steps the manager partitioned
     split_steps: int = 0
-    fresh_split_steps: int = 0
-    gathered_steps: int = 0
-    steps_without_local_tokens: int = 0
+    fresh_split_steps: int = 0  # without cached context (the ragged kernel's, DCP = 1)
+    gathered_steps: int = 0  # the K/V all-gathered: split steps, every step under shard
+    steps_without_local_tokens: int = 0  # one empty row run, every collective joined
 
     def count(self, step) -> None:
         """Count one :class:`vllm_pcp.manager.PCPStep`."""

@@ -1,11 +1,8 @@
 """The collectives of vllm-pcp's attention: the K/V all-gather before the cache write
-(with the context rows of DCP's ``keys`` exchange) and DCP's query and partial-state
-exchanges. Each moves ``num_padded_tokens_per_rank`` rows per rank (or ``Pc``), sizes
-every rank computes from the same scheduler output; vLLM's PCP manager restores the
-hidden states.
-
-``group`` is anything with ``world_size`` and ``all_gather(tensor, dim)``:
-vLLM's ``GroupCoordinator`` in the engine, a gloo adapter in the CPU tests.
+(with DCP's ``keys`` context rows) and DCP's query and partial-state exchanges, each moving
+``num_padded_tokens_per_rank`` (or ``Pc``) rows per rank, alike on every rank. ``group``
+has ``world_size`` and ``all_gather(tensor, dim)``: vLLM's ``GroupCoordinator``, or a gloo
+adapter in the CPU tests.
 """
 from __future__ import annotations
 
@@ -21,37 +18,17 @@ def _pad_rows(x: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 def all_gather_padded(group, x: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Pad ``x`` (``[L, ...]``, ``L <= num_rows``) to ``num_rows`` rows and
-    all-gather it: ``[N * num_rows, ...]``, rank 0's block first."""
+    """Pad ``x [L, ...]`` to ``num_rows`` rows and all-gather it: ``[N * num_rows, ...]``."""
     return group.all_gather(_pad_rows(x, num_rows), dim=0)
 
 
 def gather_kv(group, key: torch.Tensor, value: torch.Tensor, num_padded_tokens_per_rank: int,
               context: torch.Tensor | None = None,
               num_context_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather this rank's new K/V, and the context rows it stores, in one collective.
-
-    Parameters
-    ----------
-    key, value : torch.Tensor
-        ``[L, Hkv, D]`` for this rank's ``L <= P`` local tokens.
-    num_padded_tokens_per_rank : int
-        ``P``, identical on every rank.
-    context : torch.Tensor, optional
-        ``[Lc, 2, Hkv, D]``, K and V of the context tokens this rank stores for
-        the step's split chunks (PCP x DCP, ``Lc <= Pc``).
-    num_context_rows : int
-        ``Pc``, identical on every rank; 0 without ``context``.
-
-    Returns
-    -------
-    tuple of torch.Tensor
-        ``[N * (P + Pc), Hkv, D]`` each: rank r's ``P`` new rows (the gathered
-        layout of :class:`vllm_pcp.pcp.partition.PrefillContextParallelMetadata`)
-        then its ``Pc`` context rows, rank 0 first. The padding of the new rows is
-        zero, that of the context rows unset: the cache write skips both (slot -1)
-        and attention indexes past them. One send buffer, ``[P + Pc, 2, Hkv, D]``.
-    """
+    """All-gather this rank's new K/V (``[L <= P, Hkv, D]``) and the context it stores
+    (``[Lc <= Pc, 2, Hkv, D]``) in one collective: K and V ``[N * (P + Pc), Hkv, D]``, each
+    rank's ``P`` new rows (the gathered layout) then its ``Pc`` context rows. New rows are
+    padded with zeros, context rows left unset: the write skips both, attention too."""
     num_new = num_padded_tokens_per_rank
     send = key.new_empty((num_new + num_context_rows, 2, *key.shape[1:]))
     send[:len(key), 0], send[:len(key), 1] = key, value
@@ -64,23 +41,17 @@ def gather_kv(group, key: torch.Tensor, value: torch.Tensor, num_padded_tokens_p
 
 def with_context_rows(gathered_token_indices: torch.Tensor, num_padded_tokens_per_rank: int,
                       num_context_rows: int) -> torch.Tensor:
-    """``gathered_token_indices`` (``[N * P]``) laid out as :func:`gather_kv`'s
-    buffer with ``Pc`` context rows after each rank's block, those marked -1
-    (nothing to write): ``[N * (P + Pc)]``."""
+    """``gathered_token_indices [N * P]`` in :func:`gather_kv`'s ``[N * (P + Pc)]`` layout,
+    the context rows -1."""
     blocks = gathered_token_indices.view(-1, num_padded_tokens_per_rank)
     pad = blocks.new_full((blocks.shape[0], num_context_rows), -1)
     return torch.cat((blocks, pad), dim=1).reshape(-1)
 
 
 def all_to_all(group, x: torch.Tensor) -> torch.Tensor:
-    """Block q of ``x`` (``[N * B, ...]``) goes to rank q; returns the N blocks
-    received, from rank 0 first. ``B`` must be the same on every rank.
-
-    vLLM's GroupCoordinator has no all-to-all: this runs
-    ``torch.distributed.all_to_all_single`` on its ``device_group``. A group
-    object with an ``all_to_all`` method of its own (the tests' thread group)
-    is used as it is.
-    """
+    """Block q of ``x [N * B, ...]`` goes to rank q; returns the blocks received. vLLM's
+    GroupCoordinator has none: ``all_to_all_single`` on its ``device_group``, unless the
+    group has its own ``all_to_all`` (the tests' thread group)."""
     import torch.distributed as dist
 
     own = getattr(group, "all_to_all", None)

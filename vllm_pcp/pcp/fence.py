@@ -1,11 +1,8 @@
-"""A fence between two plans of the same FlashInfer wrappers.
-
-FlashInfer's ``plan`` writes its schedule into a page-locked host buffer of the wrapper and
-copies it to the device with ``cudaMemcpyAsync``. vLLM's Model Runner V2 plans step N + 1 while
-the GPU may not yet have run step N's copy (it does not synchronize between steps), and a
-second plan into the same host buffer before that copy ran would hand step N the schedule of
-step N + 1. The fence records an event after each plan and waits for it before the next one:
-the wait is for the previous step's copies, issued ahead of its kernels, so it rarely blocks.
+"""A fence between two plans of the same FlashInfer wrappers: ``plan`` writes a pinned host
+buffer and copies it to the device asynchronously, and Model Runner V2 plans step N + 1
+without synchronizing, so a second plan could overwrite the buffer before step N's copy
+ran. The fence waits for an event recorded after the previous plan (rarely blocking: the
+copies are issued ahead of the step's kernels).
 """
 from __future__ import annotations
 

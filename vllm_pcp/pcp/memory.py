@@ -1,31 +1,14 @@
 """The memory a split step holds beyond what vLLM's profile run sees.
 
-vLLM sizes the KV cache from a profile run: one dummy forward of
-``max_num_batched_tokens`` tokens on each rank, stock attention. A split step
-never runs there, so its transient buffers would come out of the KV cache's
-margin. The runner holds :func:`split_step_reserve_bytes` allocated through the
-profile run, so vLLM's measured peak includes them.
-
-The bound takes the widest step the scheduler can send: ``P``, the rows each
-rank runs, reaches the step's ``T`` tokens when most of them are short
-prefills (computed whole on every rank) beside one split chunk. Per layer, one
-at a time, and then once for the hidden states, every buffer counted as if all
-were live at once:
-
-    DCP = 1     the K/V gather: send [P, 2, Hkv, D], gathered [N * P, 2, Hkv, D];
-                on fresh steps (the ragged kernel) each row's keys picked out of it,
-                at most [2 * T, 2, Hkv, D] (a request's keys, read by at most two
-                rows of a rank)
-    DCP = N     the K/V gather (with Pc context rows under "keys": a chunk's whole
-                context over N ranks, max_model_len / N), the new rows picked out,
-                partial states and their merges; "queries" adds every rank's
-                queries [N * P, Hq, D] and their partials to and from every rank
-    restore     hidden states: [N * P, H] gathered, [T, H] in scheduler order
-
-``"keys"`` and ``"auto"`` may fetch some split requests' context and send the queries of
-others (whose context the step may write) in one step, so they are held to both at once. A
-forced "keys" exchange in a step whose split chunks have several long contexts moves more
-context rows than one max_model_len: the bound covers one.
+vLLM sizes the KV cache from a profile run (a dummy forward of ``max_num_batched_tokens``
+tokens, stock attention), so the runner holds :func:`split_step_reserve_bytes` through it:
+the widest step's buffers (``P`` reaches ``T`` with short prefills on every rank beside one
+split chunk), per layer and for the restore of the hidden states, all counted live at once.
+A DCP = 1 layer holds the K/V gather (``[N * P, 2, Hkv, D]``; ragged steps pick out at most
+``2 * T`` rows' keys); a DCP = N layer too (with ``Pc`` context rows under "keys", up to
+``max_model_len / N``), partials and merges, plus every rank's queries and their partials
+under "queries". ``"keys"`` and ``"auto"`` may fetch context and send queries in one step:
+held to both. A forced "keys" step with several long contexts may exceed the bound.
 """
 from __future__ import annotations
 
@@ -36,73 +19,50 @@ LSE_BYTES = 4  # float32 log-sum-exp per row and query head
 
 @dataclass(frozen=True)
 class StepShape:
-    """What sizes a split step's buffers on one rank.
+    """What sizes a split step's buffers on one rank (heads after TP)."""
 
-    tokens : T, the step's tokens (``max_num_batched_tokens`` for the bound).
-    rows : P, rows per rank (identical on every rank).
-    context_rows : Pc, context rows each rank sends under the "keys" exchange.
-    pcp, dcp : N and DCP (1 or N).
-    num_q_heads, num_kv_heads : this rank's heads (after TP).
-    head_dim, hidden_size, dtype_bytes : the model's.
-    exchange : ``pcp_dcp_context_exchange`` (``auto``, ``queries``, ``keys``).
-    ragged : DCP = 1 fresh steps attend with the ragged kernel (``pcp_split_attention``
-        ``auto``).
-    """
-
-    tokens: int
-    rows: int
-    context_rows: int
+    tokens: int  # T, the step's tokens
+    rows: int  # P, rows per rank
+    context_rows: int  # Pc, context rows each rank sends under "keys"
     pcp: int
-    dcp: int
+    dcp: int  # 1 or N
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     hidden_size: int
     dtype_bytes: int
-    exchange: str = "auto"
-    ragged: bool = False
+    exchange: str = "auto"  # pcp_dcp_context_exchange
+    ragged: bool = False  # DCP = 1 fresh steps attend with the ragged kernel
 
 
 def kv_gather_bytes(s: StepShape, context_rows: int = 0) -> int:
-    """:func:`vllm_pcp.pcp.exchange.gather_kv`: its send buffer and the gathered one,
-    and the context rows read from the cache (stacked K and V)."""
+    """:func:`vllm_pcp.pcp.exchange.gather_kv`'s buffers and the context read from cache."""
     row = 2 * s.num_kv_heads * s.head_dim * s.dtype_bytes
     sent = s.rows + context_rows
     return row * (sent * (1 + s.pcp) + 2 * context_rows)
 
 
 def ragged_layer_bytes(s: StepShape) -> int:
-    """One layer of a fresh split step at DCP = 1 (:mod:`vllm_pcp.pcp.ragged`): the K/V
-    gather, and the keys of every local row picked out of it, at most ``2 * T`` rows."""
+    """A DCP = 1 ragged layer: the K/V gather and at most ``2 * T`` rows' keys picked out."""
     return kv_gather_bytes(s) + 2 * s.num_kv_heads * s.head_dim * s.dtype_bytes * 2 * s.tokens
 
 
 def restore_bytes(s: StepShape) -> int:
-    """vLLM's restore of the hidden states (``PCPManager.restore_hidden_states``): the
-    local rows, every rank's rows gathered, and the step's rows in scheduler order."""
+    """vLLM's ``PCPManager.restore_hidden_states``: local, gathered and restored rows."""
     return s.hidden_size * s.dtype_bytes * (s.rows * (1 + s.pcp) + s.tokens)
 
 
 def _partials_bytes(s: StepShape, rows: int, blocks: int = 1) -> int:
-    """Partial states (output and LSE) of ``rows`` rows, in ``blocks`` blocks of
-    128-byte aligned buffers."""
+    """Partial states of ``rows`` rows in ``blocks`` 128-byte aligned blocks."""
     return rows * s.num_q_heads * (s.head_dim * s.dtype_bytes + LSE_BYTES) + 128 * blocks
 
 
 def dcp_layer_bytes(s: StepShape, exchange: str) -> int:
-    """One DCP layer of a split step, as :class:`vllm_pcp.dcp.attention.DCPAttention`
-    runs it, every buffer counted as if all were live at once; ``exchange``:
-    ``queries``, ``keys``, or ``both`` (a step that fetches some split requests' context
-    and sends the queries of others, whose context the step may write):
-
-    - the K/V gather (with the context rows when fetching) and the rows picked out of it
-      for the new tokens' kernel;
-    - the local output and LSE, and their merge;
-    - replicated rows (short prefills with context): their partials, every rank's,
-      merged;
-    - queries: every rank's queries (padded, gathered, the shard's rows picked out),
-      their partials sent, received, picked out and regrouped.
-    """
+    """One DCP layer of a split step (``exchange``: ``queries``, ``keys`` or ``both``): the
+    K/V gather (with context rows when fetching) and the rows picked out; the local output
+    and LSE and their merge; replicated rows' partials, every rank's, merged; queries:
+    every rank's (padded, gathered, picked out) and their partials sent, received, picked
+    out and regrouped."""
     kv_row = s.num_kv_heads * s.head_dim * s.dtype_bytes
     q_row = s.num_q_heads * s.head_dim * s.dtype_bytes
     own = _partials_bytes(s, s.rows)
@@ -117,8 +77,7 @@ def dcp_layer_bytes(s: StepShape, exchange: str) -> int:
 
 
 def step_bytes(s: StepShape) -> int:
-    """The most a split step of shape ``s`` holds at once: its widest layer or the
-    restore of its hidden states (nothing at PCP = 1)."""
+    """The most a split step holds at once: its widest layer or the restore (0 at PCP = 1)."""
     if s.pcp == 1:
         return 0
     if s.dcp == 1:
@@ -148,6 +107,5 @@ def widest_step(vllm_config) -> StepShape:
 
 
 def split_step_reserve_bytes(vllm_config) -> int:
-    """What the runner holds through vLLM's profile run: :func:`step_bytes` of
-    :func:`widest_step` (0 at PCP = DCP = 1)."""
+    """What the runner holds through vLLM's profile run."""
     return step_bytes(widest_step(vllm_config))
