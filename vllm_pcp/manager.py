@@ -14,7 +14,7 @@ attention metadata builder::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -138,7 +138,7 @@ class GQAPCPManager(PCPManager):
                        gathered=not self._unsplit_local)
         self.step_counts.count(step)
         metadata = {f.name: getattr(local.pcp, f.name) for f in fields(PCPBatchMetadata)}
-        return _replace_pcp(local, PCPStepBatchMetadata(**metadata, step=step))
+        return replace(local, pcp=PCPStepBatchMetadata(**metadata, step=step))
 
     def _build_batch_layout(self, num_scheduled_tokens, num_computed_tokens, is_prefilling,
                             query_start_loc_np, padded_num_tokens=None):
@@ -184,9 +184,3 @@ class GQAPCPManager(PCPManager):
             return super().get_dummy_slot_mappings(num_tokens)
         self._gathered_kv_slot_mappings.fill_(PAD_SLOT_ID)
         return self._gathered_kv_slot_mappings[:, :num_tokens]
-
-
-def _replace_pcp(batch, metadata):
-    from dataclasses import replace
-
-    return replace(batch, pcp=metadata)
