@@ -7,6 +7,10 @@ this one starts each engine once, with prompts of 5 to 9,000 tokens, and writes 
     python scripts/engine_smoke.py build DIR configs/models/qwen2-mqa-1kv.json  # random weights
     eval "$(python tests/engine/shared_gpu.py mps start)"; eval "$(python tests/engine/shared_gpu.py env)"
     python scripts/engine_smoke.py matrix DIR OUT.json pcp1 pcp2 pcp2-dcp2 ...  # pcp1 first
+    python scripts/engine_smoke.py repeat OUT.json A.json.d B.json.d ...  # runs of one layout
+
+``SMOKE_KNOBS`` and ``SMOKE_ENGINE_ARGS`` (JSON) add knobs and engine arguments to every
+layout of a run.
 
 A layout is judged against ``pcp1`` (``chunked-*`` against ``chunked-pcp1``, ``*-graphs``
 against ``pcp1-graphs``, ``*-fp8`` against ``pcp1-fp8``). ``SMOKE_MAX_LEN`` (default
@@ -63,9 +67,12 @@ def _engine_args(model_dir: str, layout: dict, max_len: int) -> dict:
                 prefill_context_parallel_size=layout.get("pcp", 1),
                 decode_context_parallel_size=layout.get("dcp", 1),
                 kv_cache_dtype=layout.get("kv", "auto"),
-                additional_config=layout.get("knobs", {}))
+                additional_config={**layout.get("knobs", {}),
+                                   **json.loads(os.environ.get("SMOKE_KNOBS", "{}"))})
     if chunk:
         args["enable_chunked_prefill"] = True
+    # extra engine arguments, e.g. '{"kernel_config": {"enable_flashinfer_autotune": false}}'
+    args.update(json.loads(os.environ.get("SMOKE_ENGINE_ARGS", "{}")))
     if layout.get("interleave"):
         args["cp_kv_cache_interleave_size"] = layout["interleave"]
     return args
@@ -112,6 +119,30 @@ def judge(base: dict, other: dict) -> dict:
             "step_counts": other.get("step_counts")}
 
 
+def first_difference(a: list, b: list) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def repeat(out: str, *runs: str) -> None:
+    """Two or more matrix folders of the same layouts, each run against the first: per
+    layout and greedy prompt, the first token and the first position whose top-5
+    log-probabilities differ (None: equal), and whether the seeded samples are equal."""
+    first, layouts = runs[0], {}
+    for name in sorted(f[:-5] for f in os.listdir(first) if f.endswith(".json")):
+        base = json.load(open(os.path.join(first, name + ".json")))
+        for run in runs[1:]:
+            path = os.path.join(run, name + ".json")
+            if not os.path.exists(path):
+                continue
+            other = json.load(open(path))
+            layouts.setdefault(name, []).append({"runs": [first, run], "greedy": [
+                {"first_token": first_difference(a["tokens"], b["tokens"]),
+                 "first_top5_logprobs": first_difference(a["top"], b["top"])}
+                for a, b in zip(base["greedy"], other["greedy"])],
+                "samples_equal": base["sampled"] == other["sampled"]})
+    json.dump({"prompt_lens": list(PROMPT_LENS), "layouts": layouts}, open(out, "w"), indent=1)
+
+
 def baseline(name: str) -> str:
     for prefix, suffix in (("chunked-", ""), ("", "-graphs"), ("", "-fp8")):
         if name.startswith(prefix) and name.endswith(suffix) and (prefix or suffix):
@@ -142,4 +173,4 @@ def matrix(model_dir: str, out: str, *names: str, parallel: int = 4) -> None:
 
 
 if __name__ == "__main__":
-    {"build": build, "run": run, "matrix": matrix}[sys.argv[1]](*sys.argv[2:])
+    {"build": build, "run": run, "matrix": matrix, "repeat": repeat}[sys.argv[1]](*sys.argv[2:])

@@ -89,13 +89,14 @@ def test_a_session_replaces_its_engines_rows_and_keeps_the_others(tmp_path):
     """A slice run into a folder of committed files of the same vLLM: its engines' cases
     replace theirs, every other engine's stay, and a file it holds no row of is left as
     it was."""
-    results_dir, key = tmp_path / "results", ["qwen2.5-3b-shape", "chunked", "pcp2"]
+    results_dir = tmp_path / "results"
     results_dir.mkdir()
     for name in FILES:
         (results_dir / name).write_text(json.dumps(_load(name)))
     committed = _load("exactness-pcp.json")
-    label = next(c["config"] for c in committed["cases"]
-                 if c["config"].startswith("pcp2 vs ") and c["model"] == key[0])
+    label, model = next((c["config"], c["model"]) for c in committed["cases"]
+                        if c["config"].startswith("pcp2 vs ") and c["config"].endswith("chunked"))
+    key = [model, "chunked", "pcp2"]
     base = label.split(" vs ")[1].split(",")[0]  # the baseline the committed run had
     old = [c for c in committed["cases"] if c["config"] == label and c["model"] == key[0]]
     case = {**old[0], "passed": False, "first_divergence": 3}
@@ -129,6 +130,7 @@ def test_files_of_another_vllm_are_replaced_whole_and_meta_names_the_installed_o
     results_dir, key = tmp_path / "results", ["qwen2.5-3b-shape", "chunked", "pcp2"]
     results_dir.mkdir()
     committed = _load("exactness-pcp.json")
+    committed["meta"]["vllm"] = "0.26.0"  # a file of another vLLM than the installed one
     assert committed["meta"]["vllm"] != vllm.__version__
     (results_dir / "exactness-pcp.json").write_text(json.dumps(committed))
     case = {"model": key[0], "config": "pcp2 vs pcp1, chunked", "case": "len_7",
