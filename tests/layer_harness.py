@@ -78,7 +78,7 @@ def make_impl(monkeypatch, world: int, rank: int, hq: int, hkv: int, dim: int, d
 
 
 def layer_config(world, dcp, hq, hkv, dim, dtype, kv_layout, monkeypatch, tmp,
-                 interleave=1, **knobs):
+                 interleave=1, max_model_len=None, **knobs):
     """vLLM's own VllmConfig of ``-pcp world -dcp dcp`` on a small Qwen2 of these heads in
     ``dtype`` (``tmp``: its config.json), ``pcp_min_split_tokens`` 2 (the shortest split)
     and the other ``pcp_*`` knobs (by their name less the prefix), the KV cache layout
@@ -94,6 +94,7 @@ def layer_config(world, dcp, hq, hkv, dim, dtype, kv_layout, monkeypatch, tmp,
         hf=dict(hidden_size=hq * dim, num_attention_heads=hq, num_key_value_heads=hkv),
         dtype=str(dtype).removeprefix("torch."),
         attention_config=AttentionConfig(backend="FLASHINFER"),
+        model={} if max_model_len is None else {"max_model_len": max_model_len},
         additional_config={"pcp_min_split_tokens": 2,
                            **{f"pcp_{name}": value for name, value in knobs.items()}})
     config.cache_config.kv_cache_layout = LAYOUTS[kv_layout]
@@ -167,7 +168,7 @@ class _RankContext:
 
 def run_dcp_layer_step(monkeypatch, world, interleave, exchange, device, dtype, hq=16,
                        hkv=2, dim=128, page=16, computed=COMPUTED, scheduled=SCHEDULED,
-                       kv_layout="NHD", around_forward=None):
+                       kv_layout="NHD", around_forward=None, max_model_len=None):
     """``(per-rank results, expected output)`` of a ``-pcp world -dcp world`` step: each
     rank's ``(restored output [T, Hq, D] float32 on the CPU, its cache after the step, the
     cache it should hold, its step)`` and causal attention of the whole batch.
@@ -187,7 +188,7 @@ def run_dcp_layer_step(monkeypatch, world, interleave, exchange, device, dtype, 
 
     with tempfile.TemporaryDirectory() as tmp:
         config = layer_config(world, world, hq, hkv, dim, dtype, kv_layout, monkeypatch,
-                              tmp, interleave, dcp_context_exchange=exchange)
+                              tmp, interleave, max_model_len, dcp_context_exchange=exchange)
         results = run_layer_step(monkeypatch, config, full, q, computed, scheduled, page,
                                  device, dtype, rank_inputs, around_forward)
     expect = expected_output(full, q.float(), computed, scheduled)

@@ -188,6 +188,21 @@ def test_knobs():
             PCPKnobs.from_additional_config({"pcp_min_split_tokens": bad})
 
 
+@pytest.mark.parametrize("key,knob", [
+    ("PCP_MIN_SPLIT_TOKENS", "pcp_min_split_tokens"),
+    ("pcp-min-split-tokens", "pcp_min_split_tokens"),
+    ("min_split_tokens", "pcp_min_split_tokens"),
+    ("Split-Attention", "pcp_split_attention"),
+    ("dcp_context_exchange", "pcp_dcp_context_exchange"),
+    ("PCP-DECODE-POLICY", "pcp_decode_policy")])
+def test_a_misspelled_knob_is_refused_by_the_knob_it_names(key, knob):
+    """A key that is a knob in another case, with dashes or without the ``pcp_`` prefix is
+    refused, naming the knob, instead of leaving the default silently."""
+    with pytest.raises(PCPConfigError, match=f"{key}: did you mean {knob}"):
+        PCPKnobs.from_additional_config({key: "x"})
+    assert PCPKnobs.from_additional_config({"split": 1, "policy": 2}) == PCPKnobs()
+
+
 @pytest.mark.parametrize("key,choices", [
     ("pcp_dcp_context_exchange", ("auto", "queries", "keys")),
     ("pcp_decode_policy", ("auto", "replicate", "shard")),
@@ -440,3 +455,47 @@ def test_the_version_refusal_names_the_version_and_the_ways_out():
         f"vllm-pcp needs vLLM {VLLM_VERSION} and found vLLM 0.34.0: install "
         f"vllm=={VLLM_VERSION} (pip install vllm-pcp brings it), or drop -pcp")
     assert version_refusal("0.33.0rc1") is not None
+
+
+def _without(**fields):
+    """A way out: set these stand-in fields (``hf``: the model's hf config ones)."""
+    def apply(cfg):
+        for key, value in fields.items():
+            if key == "hf":
+                vars(cfg.model_config.hf_text_config).update(value)
+            elif hasattr(cfg.parallel_config, key):
+                setattr(cfg.parallel_config, key, value)
+            elif key == "cache_dtype":
+                cfg.cache_config.cache_dtype = value
+            else:
+                setattr(cfg, key, value)
+        return cfg
+    return apply
+
+
+NO_DCP, NO_CP = _without(decode_context_parallel_size=1), _without(
+    prefill_context_parallel_size=1, decode_context_parallel_size=1)
+
+
+@pytest.mark.parametrize("over,way_outs", [
+    (dict(hf=dict(attn_logit_softcapping=30.0), **DCP2), {"drop -dcp": NO_DCP}),
+    (dict(architectures=["GptOssForCausalLM"], **DCP2), {"drop -dcp": NO_DCP}),
+    (dict(cache_dtype="fp8", **DCP2), {"--kv-cache-dtype auto": _without(cache_dtype="auto"),
+                                       "drop -dcp": NO_DCP}),
+    (dict(hf=dict(sliding_window=4096), **DCP2), {  # vLLM sets it to None (test_sliding_window)
+        "--disable-sliding-window": _without(hf=dict(sliding_window=None)),
+        "drop -pcp and -dcp": NO_CP}),
+    (dict(pcp=4, is_moe=True, additional_config={"pcp_decode_policy": "replicate"}), {
+        "drop the knob": _without(additional_config={}),
+        "use -pcp 2": _without(prefill_context_parallel_size=2)}),
+    (dict(additional_config={"pcp_decode_policy": "shard"}, **DCP2), {
+        "drop the knob": _without(additional_config={}), "drop -dcp": NO_DCP}),
+    (dict(speculative_config=object()), {"drop -pcp": NO_CP}),
+])
+def test_every_way_out_a_refusal_names_is_accepted(over, way_outs):
+    """Each way out that a refusal offers, taken, passes every check of the plugin (or
+    leaves the config to vLLM, where it drops -pcp)."""
+    for phrase, take in way_outs.items():
+        assert phrase in _refused(_config(**over)), phrase
+        cfg = take(_config(**over))
+        assert prepare_pcp_config(cfg) is takes_over(cfg), phrase

@@ -206,6 +206,32 @@ def test_a_dcp_layer_holds_at_most_the_bound(float32_flashinfer, monkeypatch, wo
         assert floor * bound <= mode.peak <= bound, (rank, mode.peak, bound)
 
 
+@pytest.mark.parametrize("exchange", ["keys", "auto"])
+def test_a_step_of_many_cached_contexts_fits_the_reserve(float32_flashinfer, monkeypatch,
+                                                          exchange):
+    """16 split requests of a step that share a cached 224-token prefix (``-pcp 2 -dcp 2``,
+    ``max_model_len`` 256, 64 tokens a step): the context rows fetched are those the
+    reserve holds (one context's), the other requests send their queries, and each rank's
+    layer holds no more than the reserve's layer part."""
+    import vllm.v1.attention.backends.flashinfer as vllm_flashinfer
+
+    from layer_harness import run_dcp_layer_step
+
+    _count_fake_kernels_by_results(monkeypatch)
+    monkeypatch.setattr(vllm_flashinfer.FlashInferImpl, "do_kv_cache_update",
+                        kernel(fake_flashinfer.torch_cache_write))
+    modes = {}
+    results, expect = run_dcp_layer_step(
+        monkeypatch, 2, 1, exchange, "cpu", torch.float32, hq=8, dim=16, page=16,
+        computed=[224] * 16, scheduled=[4] * 16, max_model_len=256,
+        around_forward=lambda rank: modes.setdefault(rank, LiveBytes()))
+    reserve = _shape(64, 2, 2, context_rows=-(-256 // 2) + 1, exchange=exchange, tokens=64)
+    bound = step_bytes(replace(reserve, hidden_size=0))  # the reserve's layer part
+    for rank, mode in modes.items():
+        assert mode.peak <= bound, (rank, mode.peak, bound)
+        torch.testing.assert_close(results[rank][0], expect, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("world,scheduled", [(2, [37, 2, 100, 16, 5]), (4, [64, 9]),
                                              (8, [200, 1, 33])])
 def test_a_fresh_split_layer_holds_at_most_the_bound(float32_flashinfer, monkeypatch, world,

@@ -25,6 +25,7 @@ from vllm.v1.utils import CpuGpuBuffer
 from vllm_pcp import config as pcp_config
 from vllm_pcp.knobs import PCPSettings
 from vllm_pcp.pcp.exchange import gather_kv, with_context_rows
+from vllm_pcp.pcp.memory import reserved_context_rows
 from vllm_pcp.pcp.ragged import PlannedRaggedStep, RaggedSplitAttention
 
 
@@ -225,7 +226,8 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         plan = build_dcp_plan(step,
                               self.vllm_config.parallel_config.cp_kv_cache_interleave_size,
                               kv_to_q_heads=self.num_kv_heads / self.num_qo_heads,
-                              context_exchange=self.pcp_settings.dcp_context_exchange)
+                              context_exchange=self.pcp_settings.dcp_context_exchange,
+                              max_context_rows=reserved_context_rows(self.vllm_config))
         # every request has a row on every rank (PCPSettings.min_chunk_tokens)
         rows = torch.from_numpy(step.first_local_row()).to(self.device, non_blocking=True)
         table = cm.block_table_tensor.index_select(0, rows)

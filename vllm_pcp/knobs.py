@@ -50,10 +50,7 @@ class PCPKnobs:
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> PCPKnobs:
         raw = additional_config if isinstance(additional_config, dict) else {}
-        unknown = sorted(k for k in raw if str(k).startswith("pcp_") and k not in KNOBS)
-        if unknown:
-            raise PCPConfigError(f"--additional-config {', '.join(unknown)}: not a vllm-pcp "
-                                 f"knob (known: {', '.join(KNOBS)})")
+        _refuse_unknown_knobs(raw)
         value = raw.get("pcp_min_split_tokens")
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 0):
@@ -69,6 +66,25 @@ class PCPKnobs:
 
 KNOBS = ("pcp_min_split_tokens", "pcp_split_attention", "pcp_dcp_context_exchange",
          "pcp_decode_policy")
+
+
+def _as_knob(key: str) -> str:
+    """``key`` in lower case, dashes as underscores, with the ``pcp_`` prefix."""
+    name = str(key).lower().replace("-", "_")
+    return name if name.startswith("pcp_") else "pcp_" + name
+
+
+def _refuse_unknown_knobs(raw: dict) -> None:
+    """Refuse a key that names a knob otherwise spelled (case, dashes, no prefix) and a
+    ``pcp_`` key that is no knob: either would leave a default silently."""
+    for key in raw:
+        if key in KNOBS:
+            continue
+        if _as_knob(key) in KNOBS:
+            raise PCPConfigError(f"--additional-config {key}: did you mean {_as_knob(key)}?")
+        if _as_knob(key) == str(key).lower().replace("-", "_"):  # a pcp_ key of another name
+            raise PCPConfigError(f"--additional-config {key}: not a vllm-pcp knob "
+                                 f"(known: {', '.join(KNOBS)})")
 
 
 def resolve_decode_policy(knobs: PCPKnobs, pcp: int, dcp: int, is_moe: bool) -> str:

@@ -114,10 +114,11 @@ def _queried_split_rows(metas: Sequence[PrefillContextParallelMetadata],
 
 def _gather_context(computed: np.ndarray, wanted: np.ndarray, world_size: int, rank: int,
                     interleave: int, num_padded_queries: int, kv_to_q_heads: float,
-                    context_exchange: str):
+                    context_exchange: str, max_context_rows: int | None = None):
     """``(ContextGather, {request: gathered row of each context token})`` of the
     ``wanted`` requests when their context K/V moves, else ``(None, {})``; ``"auto"``
-    moves it when ``Pc * kv_to_q_heads <= P``."""
+    moves it when ``Pc * kv_to_q_heads <= P``. Only the first requests (batch order)
+    whose rows fit ``max_context_rows`` on every rank move theirs: the memory reserve."""
     if context_exchange not in CONTEXT_EXCHANGES:
         raise ValueError(f"context_exchange {context_exchange!r} not in {CONTEXT_EXCHANGES}")
     reqs = np.flatnonzero(wanted)
@@ -125,6 +126,11 @@ def _gather_context(computed: np.ndarray, wanted: np.ndarray, world_size: int, r
         return None, {}
     context = computed[reqs]
     stored = dcp_local_seq_lens_all_ranks(context, world_size, interleave).T  # [N, G]
+    if max_context_rows is not None:  # a prefix: the running totals only grow
+        fits = np.cumsum(stored, 1).max(0) <= max_context_rows
+        reqs, context, stored = reqs[fits], context[fits], stored[:, fits]
+        if not len(reqs):
+            return None, {}
     num_padded = int(stored.sum(1).max())
     if context_exchange == "auto" and num_padded * kv_to_q_heads > num_padded_queries:
         return None, {}
@@ -215,10 +221,12 @@ def context_maybe_written_in_step(num_computed_tokens: np.ndarray,
 
 
 def build_dcp_plan(step, interleave: int, *, context_exchange: str = "queries",
-                   kv_to_q_heads: float = 1.0) -> DCPAttentionPlan:
+                   kv_to_q_heads: float = 1.0,
+                   max_context_rows: int | None = None) -> DCPAttentionPlan:
     """Plan one step (:class:`vllm_pcp.manager.PCPStep`) for this rank of a group that is
     both the PCP and the DCP group. ``context_exchange``: one of :data:`CONTEXT_EXCHANGES`
-    (module docstring); ``kv_to_q_heads``: KV heads per query head, for ``"auto"``."""
+    (module docstring); ``kv_to_q_heads``: KV heads per query head, for ``"auto"``;
+    ``max_context_rows``: the most context rows a rank sends (the rest send queries)."""
     computed = np.asarray(step.num_computed_tokens, dtype=np.int64).reshape(-1)
     scheduled = np.asarray(step.num_scheduled_tokens, dtype=np.int64).reshape(-1)
     metas, rank = step.plans, step.pcp_rank
@@ -240,7 +248,7 @@ def build_dcp_plan(step, interleave: int, *, context_exchange: str = "queries",
     new_lens = mine.seq_lens.numpy().astype(np.int64) - computed[rows_req]
     gather, context_rows = _gather_context(computed, may_fetch, world_size, rank,
                                            interleave, padded, kv_to_q_heads,
-                                           context_exchange)
+                                           context_exchange, max_context_rows)
     new_index, new_indptr = _new_part(rows_req, token_start, new_lens, context_rows,
                                       int(scheduled.sum()))
     # every split request with context either fetched it or sends its queries

@@ -8,7 +8,8 @@ A DCP = 1 layer holds the K/V gather (``[N * P, 2, Hkv, D]``; ragged steps pick 
 ``2 * T`` rows' keys); a DCP = N layer too (with ``Pc`` context rows under "keys", up to
 ``max_model_len / N``), partials and merges, plus every rank's queries and their partials
 under "queries". ``"keys"`` and ``"auto"`` may fetch context and send queries in one step:
-held to both. A forced "keys" step with several long contexts may exceed the bound.
+held to both. A step fetches no more context rows than one context's
+(:func:`reserved_context_rows`); the split requests past them send their queries.
 """
 from __future__ import annotations
 
@@ -95,15 +96,26 @@ def widest_step(vllm_config) -> StepShape:
     pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
     knobs = PCPKnobs.from_additional_config(vllm_config.additional_config)
-    context_rows = (-(-model.max_model_len // pcp) + parallel.cp_kv_cache_interleave_size
-                    if pcp > 1 and dcp > 1 else 0)  # a shard's rows of one context, padded
     return StepShape(
-        tokens=tokens, rows=tokens, context_rows=context_rows, pcp=pcp, dcp=dcp,
+        tokens=tokens, rows=tokens, context_rows=reserved_context_rows(vllm_config),
+        pcp=pcp, dcp=dcp,
         num_q_heads=model.get_num_attention_heads(parallel),
         num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
         hidden_size=model.get_hidden_size(), dtype_bytes=model.dtype.itemsize,
         exchange=knobs.dcp_context_exchange,
         ragged=dcp == 1 and knobs.split_attention == "auto")
+
+
+def reserved_context_rows(vllm_config) -> int:
+    """``Pc`` the reserve holds under ``-dcp``: a shard's rows of one whole context, padded.
+    A step fetches the context of split requests (in batch order) while their rows fit;
+    the others send their queries (:func:`vllm_pcp.dcp.plan.build_dcp_plan`)."""
+    parallel = vllm_config.parallel_config
+    pcp, dcp = parallel.prefill_context_parallel_size, parallel.decode_context_parallel_size
+    if pcp == 1 or dcp == 1:
+        return 0
+    return (-(-vllm_config.model_config.max_model_len // pcp)
+            + parallel.cp_kv_cache_interleave_size)
 
 
 def split_step_reserve_bytes(vllm_config) -> int:
