@@ -13,7 +13,7 @@ from helpers import pcp_settings, pcp_step
 from vllm_pcp.config import PCPConfigError
 from vllm_pcp.knobs import PCPKnobs
 from vllm_pcp.pcp.partition import build_pcp_metadata
-from vllm_pcp.pcp.ragged import is_fresh_step, ragged_kv_rows
+from vllm_pcp.pcp.ragged import ragged_kv_rows
 
 # fresh prompts: long ones split, short ones computed whole on every rank
 FRESH = [37, 2, 100, 16, 5]
@@ -44,8 +44,14 @@ def test_each_row_reads_its_prompt_up_to_the_row_end(world, min_split):
 
 
 def test_fresh_steps():
-    assert is_fresh_step([0, 0, 0]) and is_fresh_step(np.zeros(1, np.int32))
-    assert not is_fresh_step([0, 5]) and not is_fresh_step([])
+    from vllm_pcp.manager import PCPStep
+
+    def fresh(computed):
+        computed = np.asarray(computed, dtype=np.int64)
+        return PCPStep((), 0, computed, np.ones_like(computed), True).is_fresh
+
+    assert fresh([0, 0, 0]) and fresh([0])
+    assert not fresh([0, 5]) and not fresh([])
 
 
 @pytest.mark.parametrize("world,scheduled,kv_layout", [

@@ -25,12 +25,6 @@ from vllm_pcp.pcp.fence import PlanFence
 from vllm_pcp.pcp.partition import PrefillContextParallelMetadata, expand_ranges, indptr_of
 
 
-def is_fresh_step(num_computed_tokens: Sequence[int]) -> bool:
-    """No request of the step has tokens cached by earlier steps."""
-    computed = np.asarray(num_computed_tokens, dtype=np.int64).reshape(-1)
-    return len(computed) > 0 and not computed.any()
-
-
 def ragged_kv_rows(plan: PrefillContextParallelMetadata,
                    num_scheduled_tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys of each local row of a fresh step: ``kv_rows [K]`` int64 rows of the
