@@ -165,6 +165,7 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.pcp_world_size = vllm_config.parallel_config.prefill_context_parallel_size
         self.pcp_dcp = self.pcp_world_size > 1 and self.dcp_world_size > 1
+        self.max_context_rows = reserved_context_rows(vllm_config)  # a -dcp step's fetch
         self.pcp_settings = (PCPSettings.from_vllm_config(vllm_config)
                              if self.pcp_world_size > 1 else None)
         if self.pcp_dcp and not self.global_hyperparameters.has_same_all_params:
@@ -227,7 +228,7 @@ class PCPFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                               self.vllm_config.parallel_config.cp_kv_cache_interleave_size,
                               kv_to_q_heads=self.num_kv_heads / self.num_qo_heads,
                               context_exchange=self.pcp_settings.dcp_context_exchange,
-                              max_context_rows=reserved_context_rows(self.vllm_config))
+                              max_context_rows=self.max_context_rows)
         # every request has a row on every rank (PCPSettings.min_chunk_tokens)
         rows = torch.from_numpy(step.first_local_row()).to(self.device, non_blocking=True)
         table = cm.block_table_tensor.index_select(0, rows)

@@ -68,21 +68,17 @@ KNOBS = ("pcp_min_split_tokens", "pcp_split_attention", "pcp_dcp_context_exchang
          "pcp_decode_policy")
 
 
-def _as_knob(key: str) -> str:
-    """``key`` in lower case, dashes as underscores, with the ``pcp_`` prefix."""
-    name = str(key).lower().replace("-", "_")
-    return name if name.startswith("pcp_") else "pcp_" + name
-
-
 def _refuse_unknown_knobs(raw: dict) -> None:
-    """Refuse a key that names a knob otherwise spelled (case, dashes, no prefix) and a
-    ``pcp_`` key that is no knob: either would leave a default silently."""
+    """Refuse a key that names a knob otherwise spelled (case, dashes, no ``pcp_`` prefix)
+    and a ``pcp_`` key that is no knob: either would leave a default silently."""
     for key in raw:
         if key in KNOBS:
             continue
-        if _as_knob(key) in KNOBS:
-            raise PCPConfigError(f"--additional-config {key}: did you mean {_as_knob(key)}?")
-        if _as_knob(key) == str(key).lower().replace("-", "_"):  # a pcp_ key of another name
+        name = str(key).lower().replace("-", "_")
+        knob = name if name.startswith("pcp_") else "pcp_" + name
+        if knob in KNOBS:
+            raise PCPConfigError(f"--additional-config {key}: did you mean {knob}?")
+        if name.startswith("pcp_"):
             raise PCPConfigError(f"--additional-config {key}: not a vllm-pcp knob "
                                  f"(known: {', '.join(KNOBS)})")
 
