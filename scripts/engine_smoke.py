@@ -80,6 +80,10 @@ def _engine_args(model_dir: str, layout: dict, max_len: int) -> dict:
 
 def run(model_dir: str, name: str, out: str) -> None:
     """One engine of layout ``name``: greedy (24 tokens, top-5) and seeded samples."""
+    # vLLM's engine core in this process: a generate call's requests all reach the scheduler
+    # before its first step, so two runs of a layout take the same steps (a core process of
+    # its own starts stepping on the first request that arrives)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     max_len = int(os.environ.get("SMOKE_MAX_LEN", 16384))
@@ -123,10 +127,18 @@ def first_difference(a: list, b: list) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def schedule(raw: dict) -> dict | None:
+    """A PCP run's steps and split steps (rank 0's counts): two runs that took different
+    steps computed different batches; None for one GPU (no counts)."""
+    counts = (raw.get("step_counts") or [None])[0]
+    return counts and {k: counts[k] for k in ("steps", "split_steps")}
+
+
 def repeat(out: str, *runs: str) -> None:
     """Two or more matrix folders of the same layouts, each run against the first: per
     layout and greedy prompt, the first token and the first position whose top-5
-    log-probabilities differ (None: equal), and whether the seeded samples are equal."""
+    log-probabilities differ (None: equal), whether the seeded samples are equal, and each
+    run's :func:`schedule`."""
     first, layouts = runs[0], {}
     for name in sorted(f[:-5] for f in os.listdir(first) if f.endswith(".json")):
         base = json.load(open(os.path.join(first, name + ".json")))
@@ -139,7 +151,8 @@ def repeat(out: str, *runs: str) -> None:
                 {"first_token": first_difference(a["tokens"], b["tokens"]),
                  "first_top5_logprobs": first_difference(a["top"], b["top"])}
                 for a, b in zip(base["greedy"], other["greedy"])],
-                "samples_equal": base["sampled"] == other["sampled"]})
+                "samples_equal": base["sampled"] == other["sampled"],
+                "step_counts": [schedule(base), schedule(other)]})
     json.dump({"prompt_lens": list(PROMPT_LENS), "layouts": layouts}, open(out, "w"), indent=1)
 
 

@@ -78,7 +78,8 @@ BASELINE = "pcp1"
 # one GPU against itself: vLLM without the plugin (the same bits), the teacher-forced floors
 FLOORS = {"pcp1-stock": BASELINE, **judge.TEACHER_FLOORS}
 STANDARD = [k for k, groups in JOBS.items() if "standard" in groups.split(",")]
-REPEATED = [(R, "chunked", BASELINE), (R, "chunked", "pcp2")]  # run twice: bit for bit
+# run twice: bit for bit (the engine core in the worker's process: the same steps each run)
+REPEATED = [(R, "chunked", BASELINE), (R, "chunked", "pcp2"), (M, "chunked", "pcp2-dcp2-i1")]
 # the feature cases held to one GPU token for token where the layout is (seeded sampling)
 EXACT_RULE_CASES = {c["case"] for c in C.feature_cases("features", 32768, 32000)
                     if c.get("rule") == "exact"}
