@@ -157,7 +157,7 @@ def vllm_config_of(model_dir, monkeypatch, parallel: dict, runner: str = "auto",
     """vLLM's own VllmConfig of the model whose ``config.json`` is in ``model_dir``,
     as :func:`real_vllm_config` builds it; ``model``: ModelConfig's other arguments."""
     import vllm.config.vllm as vllm_config_module
-    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 
     import vllm_pcp
 
@@ -167,7 +167,15 @@ def vllm_config_of(model_dir, monkeypatch, parallel: dict, runner: str = "auto",
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
                                  dtype=dtype, runner=runner, **(model or {})),
         device_config=DeviceConfig(device="cuda"),
-        parallel_config=ParallelConfig(**parallel), **vllm_kwargs)
+        parallel_config=parallel_config_of(parallel), **vllm_kwargs)
+
+
+def parallel_config_of(parallel: dict):
+    """vLLM's ParallelConfig of ``parallel`` on vLLM's mp executor unless it names one:
+    without a named executor vLLM refuses more ranks than the host has GPUs."""
+    from vllm.config import ParallelConfig
+
+    return ParallelConfig(**{"distributed_executor_backend": "mp", **parallel})
 
 
 class _RecordingPrefillWrapper:

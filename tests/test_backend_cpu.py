@@ -218,3 +218,20 @@ def test_the_kv_exchange_pads_each_rank_to_the_same_rows():
         assert torch.equal(blocks_v[0, 3:], context[0][:, 1])
     gathered = torch.tensor([0, 1, 2, 3, -1, -1])
     assert with_context_rows(gathered, 3, 2).tolist() == [0, 1, 2, -1, -1, 3, -1, -1, -1, -1]
+
+
+
+def test_the_layer_configs_build_on_a_host_with_fewer_gpus_than_ranks(monkeypatch):
+    """vLLM 0.33.0 refuses a world larger than the host's GPUs when no executor is named;
+    the GPU layer tests build -pcp 2 configs on a one-GPU host."""
+    import vllm.config.parallel as parallel_module
+    from vllm.config import ParallelConfig
+
+    from helpers import parallel_config_of
+
+    platform = type(parallel_module.current_platform)
+    monkeypatch.setattr(platform, "is_cuda", lambda self: True)
+    monkeypatch.setattr(platform, "device_count", lambda *args: 1, raising=False)
+    with pytest.raises(ValueError, match="larger than the number of available GPUs"):
+        ParallelConfig(prefill_context_parallel_size=2)
+    assert parallel_config_of(dict(prefill_context_parallel_size=2)).world_size == 2
