@@ -220,7 +220,6 @@ def test_the_kv_exchange_pads_each_rank_to_the_same_rows():
     assert with_context_rows(gathered, 3, 2).tolist() == [0, 1, 2, -1, -1, 3, -1, -1, -1, -1]
 
 
-
 def test_the_layer_configs_build_on_a_host_with_fewer_gpus_than_ranks(monkeypatch):
     """vLLM 0.33.0 refuses a world larger than the host's GPUs when no executor is named;
     the GPU layer tests build -pcp 2 configs on a one-GPU host."""

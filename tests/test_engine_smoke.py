@@ -28,7 +28,8 @@ def test_an_engine_runs_its_core_in_this_process(monkeypatch, tmp_path):
         seen["var"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         raise EngineBuilt
 
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # restored after the test
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     monkeypatch.setattr(vllm, "LLM", fake_llm)
     with pytest.raises(EngineBuilt):
         smoke.run(str(tmp_path), "pcp2-dcp2", str(tmp_path / "out.json"))
