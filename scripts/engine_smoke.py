@@ -107,13 +107,17 @@ def run(model_dir: str, name: str, out: str) -> None:
     json.dump(result, open(out, "w"))
 
 
+def first_difference(a: list, b: list) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def judge(base: dict, other: dict) -> dict:
     """Per greedy prompt: equal, or the first differing token and whether each side's
     token is among the other's top 5 (vLLM's rule); seeded samples equal or not."""
     prompts = []
     for a, b in zip(base["greedy"], other["greedy"]):
         ta, tb = a["tokens"], b["tokens"]
-        first = next((i for i in range(min(len(ta), len(tb))) if ta[i] != tb[i]), None)
+        first = first_difference(ta, tb)
         prompts.append({"equal": first is None} if first is None else {
             "equal": False, "first_difference": first,
             "top5": str(ta[first]) in b["top"][first] and str(tb[first]) in a["top"][first]})
@@ -121,10 +125,6 @@ def judge(base: dict, other: dict) -> dict:
             "greedy_pass": all(p["equal"] or p["top5"] for p in prompts),
             "samples_equal": base["sampled"] == other["sampled"],
             "step_counts": other.get("step_counts")}
-
-
-def first_difference(a: list, b: list) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def schedule(raw: dict) -> dict | None:
