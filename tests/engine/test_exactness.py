@@ -242,10 +242,10 @@ def test_features(key, engine, record):
 
 def feature_misses(cases: list[dict], exact_sampling: bool) -> set[str]:
     """The feature cases that miss their rule: every case that failed, but a seeded-sampling
-    case (rule ``exact``) of a layout not held to ``exact_sampling`` misses only where it
-    fails the top-5 rule."""
+    case (rule ``exact``) of a layout not held to ``exact_sampling`` misses only where its
+    samples part from one GPU's at unlike distributions (:func:`judge.alike_samples`)."""
     return {c["case"] for c in cases if not c["passed"] and (
-        exact_sampling or c.get("rule") != "exact" or not c.get("top5_passed"))}
+        exact_sampling or c.get("rule") != "exact" or not c.get("sample_rule_passed"))}
 
 
 def _feature_floor(engine, key) -> set[str]:
