@@ -58,6 +58,17 @@ def test_rows_keep_the_revisions_of_the_committed_runs(name):
         assert set(keys) <= set(merged.get(rev, ())), rev
 
 
+@pytest.mark.parametrize("name", FILES)
+def test_rows_keep_the_commands_and_gpus_of_the_committed_file(name):
+    """Cut into rows and merged again, a file names every command it named and the GPU of
+    each revision it ran at."""
+    meta, used = _load(name)["meta"], rows.assemble(_committed_rows())[name][0]
+    merged = rows.meta_extra(used)
+    assert set(meta.get("commands") or []) <= set(merged.get("commands") or [meta["command"]])
+    for rev, gpu in (meta.get("gpus_by_git_rev") or {}).items():
+        assert merged["gpus_by_git_rev"][rev] == gpu, rev
+
+
 def test_an_engine_under_two_revisions_keeps_both(tmp_path):
     doc = {"meta": {"git_rev": "ccc", "runs_by_git_rev": {
         "aaa": ["m:chunked:pcp1", "m:chunked:pcp2"], "bbb": ["m:chunked:pcp1",
@@ -117,8 +128,51 @@ def test_a_session_replaces_its_engines_rows_and_keeps_the_others(tmp_path):
                                            - sum(c["passed"] for c in old))
     assert merged["meta"]["runs_by_git_rev"]["ccc"] == sorted(
         f"{key[0]}:chunked:{c}" for c in ("pcp2", base))
-    assert "pytest slice" in merged["meta"]["commands"] and merged["meta"]["gpu"] == "g"
+    assert "pytest slice" in merged["meta"]["commands"]
+    gpus = merged["meta"]["gpus_by_git_rev"]
+    assert gpus["ccc"] == "g" and "g (ccc)" in merged["meta"]["gpu"]
+    assert {rev: gpu for rev, gpu in gpus.items() if rev != "ccc"} == {
+        rev: gpu for rev, gpu in committed["meta"]["gpus_by_git_rev"].items()
+        if rev in merged["meta"]["runs_by_git_rev"]}
+    assert merged["meta"].get("note") == committed["meta"].get("note")
     assert _load("memory.json", results_dir) == _load("memory.json")
+
+
+def test_a_merged_file_names_the_gpu_of_each_revision_and_keeps_its_note(tmp_path,
+                                                                         monkeypatch):
+    """Rows of two sessions on two GPUs: the file names each GPU with its revisions (in
+    ``gpu``, and ``gpus_by_git_rev``), a third session on either keeps both, and a ``note``
+    written for the file stays unless the merge gives one of its own."""
+    key = ["qwen2.5-3b-shape", "chunked", "pcp2"]
+    case = {"model": key[0], "config": "pcp2 vs pcp1, chunked", "case": "len_7",
+            "prompt_lens": [7], "first_divergence": None, "max_abs_logprob_diff": 0.0,
+            "passed": True}
+
+    def run_session(session, rev, gpu, config, **meta_fields):
+        monkeypatch.setenv("GIT_REV", rev)  # as on the GPU host: the revision that ran
+        work = tmp_path / session
+        (work / "rows").mkdir(parents=True)
+        row = {"kind": "greedy", "key": [*key[:2], config], "session": session,
+               "command": session, "dcp": 1, "not_compared": [],
+               "cases": [{**case, "config": f"{config} vs pcp1, chunked"}],
+               "runs": [{"model": key[0], "variant": "chunked", "config": c, "git_rev": rev}
+                        for c in (config, "pcp1")]}
+        (work / "rows" / "r.json").write_text(json.dumps(row))
+        rows.write_results(str(work), str(tmp_path / "out"), session,
+                           host={"gpu": gpu, "vllm": "v"}, **meta_fields)
+        return _load("exactness-pcp.json", tmp_path / "out")["meta"]
+
+    first = run_session("a", "aaa1111", "1 x H200", "pcp2", note="about pcp2")
+    assert first["gpu"] == "1 x H200" and "gpus_by_git_rev" not in first
+    second = run_session("b", "bbb2222", "1 x H100", "pcp4")
+    assert second["gpus_by_git_rev"] == {"aaa1111": "1 x H200", "bbb2222": "1 x H100"}
+    assert second["gpu"] == "1 x H100 (bbb2222), 1 x H200 (aaa1111)"
+    assert second["note"] == "about pcp2"
+    third = run_session("c", "ccc3333", "1 x H100", "pcp8", note="about pcp8")
+    assert third["gpus_by_git_rev"] == {"aaa1111": "1 x H200", "bbb2222": "1 x H100",
+                                        "ccc3333": "1 x H100"}
+    assert third["gpu"] == "1 x H100 (bbb2222, ccc3333), 1 x H200 (aaa1111)"
+    assert third["note"] == "about pcp8"
 
 
 def test_files_of_another_vllm_are_replaced_whole_and_meta_names_the_installed_one(tmp_path):

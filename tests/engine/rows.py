@@ -21,17 +21,22 @@ AGREEMENT_FIELDS = ("decode_tokens", "sampled_token_checks", "passed", "errors")
 def meta_extra(rows: list[dict]) -> dict:
     """``ranks_shared_gpus`` where ranks shared GPUs, ``runs_by_git_rev`` where engines ran
     at more than one revision (an engine that rows took from two runs: under both),
-    ``commands`` where rows came from more than one."""
+    ``gpus_by_git_rev`` and a ``gpu`` naming each where they ran on more than one GPU,
+    ``commands`` where rows came from more than one (a committed row: all its file's)."""
     runs = [r for row in rows for r in row["runs"]]
     shared = {r["config"]: r["shared_gpus"] for r in runs if r.get("shared_gpus")}
     mps = {r["config"] for r in runs if r.get("shared_gpus") and r.get("mps")}
     revs: dict[str, set] = {}
+    gpus: dict[str, str] = {}
     for run in runs:
         for rev in run.get("git_revs") or [run.get("git_rev") or "unknown"]:
             revs.setdefault(rev, set()).add(":".join((run["model"], run["variant"], run["config"])))
+            if (run.get("gpus") or {}).get(rev):
+                gpus.setdefault(rev, run["gpus"][rev])
     by_rev = {rev: sorted(keys) for rev, keys in sorted(revs.items())}
-    extra = {}
-    commands = sorted({row["command"] for row in rows if row.get("command")})
+    extra = _gpus_by_rev(gpus)
+    commands = sorted({c for row in rows for c in row.get("commands") or [row.get("command")]
+                       if c})
     if len(commands) > 1:
         extra["commands"] = commands
     if shared:
@@ -39,6 +44,17 @@ def meta_extra(rows: list[dict]) -> dict:
     if len(by_rev) > 1:
         extra["runs_by_git_rev"] = by_rev
     return extra
+
+
+def _gpus_by_rev(gpus: dict[str, str]) -> dict:
+    """Where runs of one file ran on different GPUs: ``gpus_by_git_rev`` and a ``gpu`` that
+    names each GPU with its revisions (``"1 x H100 (ccc), 1 x H200 (aaa, bbb)"``)."""
+    if len(set(gpus.values())) < 2:
+        return {}
+    names = {gpu: sorted(rev[:7] for rev, g in gpus.items() if g == gpu)
+             for gpu in sorted(set(gpus.values()))}
+    return {"gpu": ", ".join(f"{gpu} ({', '.join(revs)})" for gpu, revs in names.items()),
+            "gpus_by_git_rev": dict(sorted(gpus.items()))}
 
 
 def _cases(rows: list[dict], summary: dict, floors: list[dict] = ()) -> dict:
@@ -224,11 +240,13 @@ def _adder(out: dict, meta: dict):
         for k in keys:
             revs.setdefault(k, []).append(rev)
     shared = meta.get("ranks_shared_gpus") or {}
+    gpus = meta.get("gpus_by_git_rev") or {}
 
     def run(model, variant, config):
         listed = revs.get(f"{model}:{variant}:{config}") or [meta.get("git_rev")]
         return {"model": model, "variant": variant, "config": config, "git_rev": listed[-1],
                 "git_revs": listed if len(listed) > 1 else None,
+                "gpus": {rev: gpus.get(rev, meta.get("gpu")) for rev in listed},
                 "shared_gpus": str(shared["gpus"]) if config in shared.get("configs", ()) else None,
                 "mps": config in shared.get("mps_configs", ())}
 
@@ -236,6 +254,7 @@ def _adder(out: dict, meta: dict):
         runs = [run(*key)] + ([run(*key[:2], base)] if base else [])
         row = out.setdefault((kind, key), {
             "kind": kind, "key": list(key), "session": None, "command": meta.get("command"),
+            "commands": meta.get("commands"),  # the file's: which one ran the row is not kept
             "runs": runs, "cases": [], "teacher": None})
         if row["runs"] is not runs:  # a floor that more than one file holds: all their revisions
             row["runs"] = [_union(kept, new) for kept, new in zip(row["runs"], runs)]
@@ -247,7 +266,8 @@ def _union(kept: dict, new: dict) -> dict:
     """``kept`` (a run) with the revisions of ``new`` (the same engine in another file)."""
     revs = sorted({*(kept.get("git_revs") or [kept["git_rev"]]),
                    *(new.get("git_revs") or [new["git_rev"]])})
-    return {**kept, "git_revs": revs if len(revs) > 1 else None}
+    return {**kept, "git_revs": revs if len(revs) > 1 else None,
+            "gpus": {**(new.get("gpus") or {}), **(kept.get("gpus") or {})}}
 
 
 def committed_rows(results_dir: str, vllm: str | None = None) -> list[dict]:
@@ -264,14 +284,25 @@ def committed_rows(results_dir: str, vllm: str | None = None) -> list[dict]:
     return list(out.values())
 
 
+def _committed_meta(results_dir: str, name: str, vllm: str | None) -> dict:
+    """The ``meta`` of the committed file ``name`` where it ran on ``vllm`` (else empty)."""
+    path = Path(results_dir, name)
+    meta = json.loads(path.read_text())["meta"] if path.exists() else {}
+    return meta if vllm is None or meta.get("vllm") == vllm else {}
+
+
 def write_results(work_dir: str, results_dir: str, session: str | None,
                   host: dict | None = None, **meta_fields) -> list[str]:
     """The paths of the result files that hold a row of ``session`` from ``work_dir``, each
     merged into its file already in ``results_dir`` where that ran on the vLLM of ``host``
     (:func:`results.versions` of this one when None); ``meta_fields`` go into their ``meta``
-    (results.meta's ``command``, or a field of its own)."""
+    (results.meta's ``command``, or a field of its own). Each run keeps the GPU it ran on
+    (a fresh one: ``host``'s), and a merged file its ``note`` unless ``meta_fields`` has one."""
     host = results.versions() if host is None else host
     rows = [json.loads(p.read_text()) for p in sorted(Path(work_dir, "rows").glob("*.json"))]
+    for run in (run for row in rows for run in row["runs"]):
+        run.setdefault("gpus", {rev: host.get("gpu")
+                                for rev in run.get("git_revs") or [run.get("git_rev")]})
     fresh = {(r["kind"], tuple(r["key"])) for r in rows}
     rows += [r for r in committed_rows(results_dir, host.get("vllm"))
              if (r["kind"], tuple(r["key"])) not in fresh]
@@ -280,6 +311,9 @@ def write_results(work_dir: str, results_dir: str, session: str | None,
         if not any(r.get("session") == session for r in used):
             continue
         extra = {**meta_extra(used), **meta_fields}
+        kept = _committed_meta(results_dir, name, host.get("vllm"))
+        if kept.get("note") and "note" not in extra:
+            extra["note"] = kept["note"]
         if name == "exactness-teacher.json":
             extra["measure"] = judge.TEACHER_MEASURE
         paths.append(results.write(results_dir, name,
