@@ -270,25 +270,29 @@ def _union(kept: dict, new: dict) -> dict:
             "gpus": {**(new.get("gpus") or {}), **(kept.get("gpus") or {})}}
 
 
-def committed_rows(results_dir: str, vllm: str | None = None) -> list[dict]:
-    """The rows the result files in ``results_dir`` hold: a row per kind and engine, its runs
-    at the revisions of the file's ``meta``, ``session`` None; with ``vllm``, only those of
-    files that ran on that vLLM version."""
-    out: dict[tuple, dict] = {}
+def committed_docs(results_dir: str, vllm: str | None = None) -> dict[str, dict]:
+    """The result files in ``results_dir`` by name; with ``vllm``, only those that ran on
+    that vLLM version."""
+    docs = {}
     for name in FILES:
         path = Path(results_dir, name)
         if path.exists():
             doc = json.loads(path.read_text())
             if vllm is None or doc["meta"].get("vllm") == vllm:
-                _cut(name, doc, _adder(out, doc["meta"]))
+                docs[name] = doc
+    return docs
+
+
+def committed_rows(results_dir: str, vllm: str | None = None,
+                   docs: dict[str, dict] | None = None) -> list[dict]:
+    """The rows the result files in ``results_dir`` hold (or ``docs``, as
+    :func:`committed_docs` reads them): a row per kind and engine, its runs at the revisions
+    of the file's ``meta``, ``session`` None; with ``vllm``, only those of files that ran on
+    that vLLM version."""
+    out: dict[tuple, dict] = {}
+    for name, doc in (committed_docs(results_dir, vllm) if docs is None else docs).items():
+        _cut(name, doc, _adder(out, doc["meta"]))
     return list(out.values())
-
-
-def _committed_meta(results_dir: str, name: str, vllm: str | None) -> dict:
-    """The ``meta`` of the committed file ``name`` where it ran on ``vllm`` (else empty)."""
-    path = Path(results_dir, name)
-    meta = json.loads(path.read_text())["meta"] if path.exists() else {}
-    return meta if vllm is None or meta.get("vllm") == vllm else {}
 
 
 def write_results(work_dir: str, results_dir: str, session: str | None,
@@ -304,16 +308,17 @@ def write_results(work_dir: str, results_dir: str, session: str | None,
         run.setdefault("gpus", {rev: host.get("gpu")
                                 for rev in run.get("git_revs") or [run.get("git_rev")]})
     fresh = {(r["kind"], tuple(r["key"])) for r in rows}
-    rows += [r for r in committed_rows(results_dir, host.get("vllm"))
+    docs = committed_docs(results_dir, host.get("vllm"))
+    rows += [r for r in committed_rows(results_dir, docs=docs)
              if (r["kind"], tuple(r["key"])) not in fresh]
     paths = []
     for name, (used, payload) in assemble(rows).items():
         if not any(r.get("session") == session for r in used):
             continue
         extra = {**meta_extra(used), **meta_fields}
-        kept = _committed_meta(results_dir, name, host.get("vllm"))
-        if kept.get("note") and "note" not in extra:
-            extra["note"] = kept["note"]
+        note = docs.get(name, {}).get("meta", {}).get("note")
+        if note and "note" not in extra:
+            extra["note"] = note
         if name == "exactness-teacher.json":
             extra["measure"] = judge.TEACHER_MEASURE
         paths.append(results.write(results_dir, name,
