@@ -38,7 +38,11 @@ FAULT_FLAGS = (*COMMON, "--kv-cache-memory-bytes", str(4 * GIB), "--max-model-le
                "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--enable-log-requests")
 SOAK_FLAGS = (*COMMON, "--max-model-len", "65792", "--max-num-seqs", "64")
 SOAK_ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}  # 64K prompts are load here; texts stay short
-GSM8K_FLAGS = (*COMMON, "--kv-cache-memory-bytes", str(4 * GIB))
+GSM8K_CONCURRENCY = 64  # lm-eval's requests in flight; the server runs as many, no more: its
+# sampler warm-up (one row of the 151,936-token vocabulary per sequence) stays a quarter of
+# vLLM's default 256 rows, which servers side by side on one GPU could not all hold
+GSM8K_FLAGS = (*COMMON, "--kv-cache-memory-bytes", str(4 * GIB),
+               "--max-num-seqs", str(GSM8K_CONCURRENCY))
 RUNNING = re.compile(r"^vllm:num_requests_running\S* [1-9]", re.M)  # a /metrics line
 
 
@@ -278,7 +282,8 @@ def gsm8k(server) -> dict:
         task = yaml.safe_load(f.read().replace("@DATA_DIR@", os.path.abspath(GSM8K_DATA)))
     out = lm_eval.simple_evaluate(
         model="local-completions", tasks=[task], num_fewshot=5, batch_size=1,
-        model_args=f"model={QWEN},base_url={server.url}/v1/completions,num_concurrent=64,"
+        model_args=f"model={QWEN},base_url={server.url}/v1/completions,"
+                   f"num_concurrent={GSM8K_CONCURRENCY},"
                    f"max_retries=3,tokenized_requests=False,tokenizer_backend=huggingface,"
                    f"tokenizer={QWEN}", limit=int(GSM8K_LIMIT) if GSM8K_LIMIT else None)
     res = out["results"]["gsm8k_local"]
