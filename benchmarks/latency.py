@@ -7,8 +7,11 @@ A ``vllm bench latency --output-len 1 --batch-size 1`` process per layout (tests
 layouts.py) and length on the bench model (dummy weights, no prefix cache): ``ttft_s`` is
 vLLM's median, ``ratios`` a layout's over the baseline's. ``--itl-output-len K``: a second
 process per layout and length generates K tokens; ``itl_ms`` is its median latency less the
-TTFT, over the K - 1 decode steps, ``itl_ratios`` a layout's over the baseline's. Layouts run
-one after another in the order given. vLLM's files and logs go beside ``--out``.
+TTFT, over the K - 1 decode steps, ``itl_ratios`` a layout's over the baseline's. Each run
+keeps the fastest and slowest of its iterations (``spread_s``), and ``itl_ms_best`` /
+``itl_ratios_best`` take the fastest iterations in place of the medians: where the two ratios
+disagree, the difference is noise. Layouts run one after another in the order given. vLLM's
+files and logs go beside ``--out``.
 """
 from __future__ import annotations
 
@@ -74,12 +77,17 @@ def ratios(runs: list[dict], baseline: str = "pcp1", key: str = "ttft_s") -> dic
 
 def add_itl(runs: list[dict]) -> None:
     """``itl_ms`` of each run of K > 1 tokens: its median latency less the TTFT of the same
-    layout and length, over the K - 1 decode steps."""
-    ttft = {(r["config"], r["input_len"]): r["ttft_s"] for r in runs if "ttft_s" in r}
+    layout and length, over the K - 1 decode steps; ``itl_ms_best`` the same of the fastest
+    iterations (``spread_s[0]`` of both runs), which the slower iterations' noise leaves out."""
+    first = {(r["config"], r["input_len"]): r for r in runs if "ttft_s" in r}
     for r in runs:
-        first = ttft.get((r["config"], r["input_len"]))
-        if "latency_s" in r and first is not None:
-            r["itl_ms"] = round((r["latency_s"] - first) / (r["output_len"] - 1) * 1e3, 4)
+        one = first.get((r["config"], r["input_len"]))
+        if "latency_s" not in r or one is None:
+            continue
+        steps = r["output_len"] - 1
+        r["itl_ms"] = round((r["latency_s"] - one["ttft_s"]) / steps * 1e3, 4)
+        if r.get("spread_s") and one.get("spread_s"):
+            r["itl_ms_best"] = round((r["spread_s"][0] - one["spread_s"][0]) / steps * 1e3, 4)
 
 
 def run_one(layout: str, input_len: int, max_len: int, args, output_len: int = 1) -> dict:
@@ -104,16 +112,24 @@ def run_one(layout: str, input_len: int, max_len: int, args, output_len: int = 1
         with open(name + ".json") as f:
             run["vllm"] = json.load(f)
         median, mean = run["vllm"]["percentiles"]["50"], run["vllm"]["avg_latency"]
+        run["spread_s"] = spread(run["vllm"].get("latencies"))
         run.update(dict(ttft_s=median, ttft_mean_s=mean) if output_len == 1
                    else dict(latency_s=median, latency_mean_s=mean))
     return run
 
 
+def spread(latencies: list[float] | None) -> list[float] | None:
+    """The fastest and slowest of a run's timed iterations (s): what its median may move by."""
+    return [round(min(latencies), 6), round(max(latencies), 6)] if latencies else None
+
+
 def summarize(result: dict, baseline: str) -> None:
-    """``ratios`` (TTFT) and ``itl_ratios`` of ``result``'s runs over the baseline's."""
+    """``ratios`` (TTFT), ``itl_ratios`` and ``itl_ratios_best`` of ``result``'s runs over
+    the baseline's."""
     add_itl(result["runs"])
     result["ratios"] = ratios(result["runs"], baseline)
     result["itl_ratios"] = ratios(result["runs"], baseline, key="itl_ms")
+    result["itl_ratios_best"] = ratios(result["runs"], baseline, key="itl_ms_best")
 
 
 def parse_args(argv: list[str]):
@@ -147,7 +163,7 @@ def main(argv: list[str]) -> int:
         num_iters_warmup=1, num_iters=args.num_iters, enforce_eager=args.eager,
         max_model_len=max_len, max_num_batched_tokens=args.chunk or max_len,
         model_config=MODEL_CONFIG, layout_order=layouts, baseline=args.baseline),
-        "runs": [], "ratios": {}, "itl_ratios": {}}
+        "runs": [], "ratios": {}, "itl_ratios": {}, "itl_ratios_best": {}}
     outputs = [1] + ([args.itl_output_len] if args.itl_output_len else [])
     for layout in layouts:
         for n in lens:  # the result file is rewritten after each process
