@@ -79,6 +79,17 @@ def test_the_soak_is_scaled_down_on_shared_gpus_and_judged():
         "no_hangs", "outputs_unchanged_by_load", "outputs_held_to_one_gpu"))
 
 
+def test_a_short_soak_judges_its_memory_over_its_last_two_thirds():
+    """A 60-s soak ends where the 60-s warm-up does: its growth is judged from a third in."""
+    recs, ref = [{"outcome": "done", "ttft_s": 0.5, "itl_s": [.1]}], {"a": _answer()}
+    same = serve.judge_greedy_set(ref, ref, ref, dcp=1)
+    growing = [[0, 7000, 20000], [20, 7000, 20000], [40, 7600, 20000], [60, 8200, 20000],
+               [62, 8220, 20000]]  # RSS, from 20 s on
+    memory = serve.judge_soak(recs, growing, same)["memory"]
+    assert memory["warmup_s"] == 20.7 and memory["rss"]["growth_mib"] == 620
+    assert not memory["rss"]["flat"] and memory["gpu"]["flat"]
+
+
 def test_the_soaks_greedy_set_is_held_to_pcp1_by_the_layouts_rule_and_to_itself():
     """At DCP = 1 the same text as -pcp 1; with -dcp a near tie may flip (the top-5 rule);
     at every layout the set after the load is token for token the one before it."""

@@ -250,9 +250,9 @@ def judge_greedy_set(after: dict, before: dict, reference: dict, dcp: int) -> di
 
 def judge_soak(records: list[dict], samples: list[list], greedy: dict) -> dict:
     """The soak's outcomes, TTFT and ITL (recorded, never judged); memory ([s, RSS, GPU MiB,
-    what the GPU figure measured] samples) grown since WARMUP_S (caches full by then), flat
-    within max(FLAT_MIB, FLAT_FRACTION of that baseline); ``greedy`` (:func:`judge_greedy_set`);
-    its goals."""
+    what the GPU figure measured] samples) grown since WARMUP_S (caches full by then; a third
+    of a shorter run, which keeps two thirds of it to judge), flat within max(FLAT_MIB,
+    FLAT_FRACTION of that baseline); ``greedy`` (:func:`judge_greedy_set`); its goals."""
     import numpy as np
 
     def pct(v: list) -> dict:
@@ -260,8 +260,9 @@ def judge_soak(records: list[dict], samples: list[list], greedy: dict) -> dict:
 
     count = {k: sum(r["outcome"] == k for r in records)
              for k in ("done", "cancelled", "error", "hang")}
-    base = next((s for s in samples if s[0] >= WARMUP_S), samples[-1])
-    memory = {"warmup_s": WARMUP_S, "series": [s[:3] for s in samples],
+    warmup_s = min(WARMUP_S, round(samples[-1][0] / 3, 1))
+    base = next(s for s in samples if s[0] >= warmup_s)
+    memory = {"warmup_s": warmup_s, "series": [s[:3] for s in samples],
               "gpu_measure": sorted({s[3] for s in samples if len(s) > 3}), **{name: {
         "baseline_mib": base[col], "growth_mib": round(samples[-1][col] - base[col], 1),
         "flat": samples[-1][col] - base[col] <= max(FLAT_MIB, FLAT_FRACTION * base[col])}
