@@ -123,6 +123,22 @@ def test_gsm8k_rows_and_result_files_from_parts(tmp_path, monkeypatch):
     assert rows[1]["config"] == "pcp2" and rows[1]["delta_strict"] == 0.33
     assert rows[1]["within_tolerance"] and not rows[2]["within_tolerance"]
     assert "paired" not in rows[1]  # runs that logged no answers
+    log = tmp_path / "gsm8k-tp2-pcp2.log"
+    log.write_text("INFO ok\n(APIServer pid=0) WARNING [x.py:2] errors like `OSError: [Errno 24] "
+                   "Too many open files`\n(EngineCore pid=1) ERROR [core.py:1] torch.AcceleratorError: CUDA "
+                   "error: an illegal memory access\n(Worker pid=2) ERROR [x.py:9] torch."
+                   "AcceleratorError: CUDA error: an illegal memory access\nframe #0: c10::Error"
+                   "::Error(c10::SourceLocation)\n\"POST /v1/completions\" 500 Internal Server "
+                   "Error\nSticky error detected\nRuntimeError: later\nValueError: last\n")
+    crashed = serve.gsm8k_rows([{"layout": "pcp1", "exact_match_strict": 0.1,
+                                 "exact_match_flexible": 0.1, "lm_eval_results": {}},
+                                {"layout": "tp2-pcp2-split-all", "error": "x" * 600 + "refused",
+                                 "server_errors": serve.error_lines(str(log))}])
+    failed = crashed["failed"]["tp2-pcp2"]
+    assert len(crashed["rows"]) == 1 and len(failed["error"]) == 500
+    assert failed["server_log"] == ["torch.AcceleratorError: CUDA error: an illegal memory "
+                                    "access", "Sticky error detected", "RuntimeError: later"]
+    assert serve.error_lines(str(tmp_path / "missing.log")) == []
     options = {"--engine-work-dir": str(tmp_path / "work"), "--results-dir": str(tmp_path / "out")}
     request = SimpleNamespace(config=SimpleNamespace(getoption=options.get))
     monkeypatch.setattr(serve.results, "meta", lambda command=None, **kw: {"git_rev": "abc", **kw})

@@ -303,7 +303,9 @@ def paired_changes(base: list[int], other: list[int], questions: int) -> dict:
 
 def gsm8k_rows(runs: list[dict], baseline: str = "pcp1") -> dict:
     """gsm8k.json's rows: exact match in points, each one's distance from ``baseline`` and,
-    where both runs logged their answers, the questions that flipped (:func:`paired_changes`)."""
+    where both runs logged their answers, the questions that flipped (:func:`paired_changes`);
+    ``failed``: each run that ended in an error, with the error's tail and its server log's
+    error lines."""
     done = [r for r in runs if "error" not in r]
     rows = [{"config": r["layout"].removesuffix("-split-all"),
              "questions": r["lm_eval_results"].get("sample_len"),
@@ -319,7 +321,11 @@ def gsm8k_rows(runs: list[dict], baseline: str = "pcp1") -> dict:
             if mine and theirs and row["questions"] == base["questions"]:
                 row["paired"] = {k: paired_changes(theirs[k], mine[k], row["questions"])
                                  for k in GSM8K_FILTERS}
-    return {"tolerance_points": GSM8K_TOLERANCE_POINTS, "rows": rows}
+    failed = {r["layout"].removesuffix("-split-all"): {
+        "error": r["error"][-500:], "server_log": r.get("server_errors", [])}
+        for r in runs if "error" in r}
+    return {"tolerance_points": GSM8K_TOLERANCE_POINTS, "rows": rows,
+            **({"failed": failed} if failed else {})}
 
 
 def goals_file(runs: list[dict]) -> dict:
@@ -327,6 +333,21 @@ def goals_file(runs: list[dict]) -> dict:
     goals = {r["layout"]: r["goals"] for r in runs}
     met = bool(goals) and all(g and all(v is True for v in g.values()) for g in goals.values())
     return {"goals": goals, "all_goals_met": met, "runs": runs}
+
+
+ERROR_TEXT = re.compile(r"([\w.]+Error: .*|Sticky error.*)")  # an exception's type and message
+
+
+def error_lines(log: str, count: int = 3) -> list[str]:
+    """The first ``count`` distinct exceptions a server's log names (the cause that a client's
+    connection error hides), each its type and message, at most 300 characters."""
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    found = [m.group(1).strip()[:300] for m in map(ERROR_TEXT.search, lines)
+             if m and " WARNING " not in m.string]  # vLLM's warnings quote errors it foresees
+    return list(dict.fromkeys(found))[:count]
 
 
 def run_dir(request) -> str:

@@ -65,7 +65,8 @@ def on_server(request, layout, model, what, flags, ask, env=None) -> dict:
         with serve.serve(layout, model, log, *flags, env=env) as server:
             return {**head, "command": server.command, **ask(server)}
     except Exception as exc:  # noqa: BLE001 -- recorded, and the test fails on it
-        return {**head, "error": repr(exc)[-4000:], "goals": {}}
+        return {**head, "error": repr(exc)[-4000:], "server_errors": serve.error_lines(log),
+                "goals": {}}
 
 
 def chat(server) -> dict:
@@ -295,9 +296,10 @@ def gsm8k(server) -> dict:
 
 
 @pytest.mark.parametrize("layout", layouts("pcp1", "pcp2-split-all", "pcp2-dcp2-split-all",
-                                           "tp2-pcp2-split-all"))
+                                           "tp2-pcp2-split-all", "tp2"))
 def test_gsm8k(request, layout, monkeypatch):
-    """gsm8k (Qwen2.5-Coder-0.5B, every prompt split) within 1.5 points of -pcp 1's."""
+    """gsm8k (Qwen2.5-Coder-0.5B, every prompt split) within 1.5 points of -pcp 1's; vLLM's
+    own -tp 2 (``tp2``, no plugin at work) the control of -tp 2 -pcp 2's server."""
     pytest.importorskip("lm_eval", reason="lm-eval missing: pip install -e .[eval]")
     # local-completions needs lm-eval's api extra; without it every server would start
     # only for lm-eval to refuse the model
