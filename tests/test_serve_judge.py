@@ -126,8 +126,9 @@ def test_gsm8k_rows_and_result_files_from_parts(tmp_path, monkeypatch):
     log = tmp_path / "gsm8k-tp2-pcp2.log"
     log.write_text("INFO ok\n(APIServer pid=0) WARNING [x.py:2] errors like `OSError: [Errno 24] "
                    "Too many open files`\n(EngineCore pid=1) ERROR [core.py:1] torch."
-                   "AcceleratorError: CUDA error: an illegal memory access\n(Worker pid=2) ERROR [x.py:9] torch."
-                   "AcceleratorError: CUDA error: an illegal memory access\nframe #0: c10::Error"
+                   "AcceleratorError: CUDA error: an illegal memory access\n(Worker pid=2) ERROR "
+                   "[x.py:9] torch.AcceleratorError: CUDA error: an illegal memory access\n"
+                   "frame #0: c10::Error"
                    "::Error(c10::SourceLocation)\n\"POST /v1/completions\" 500 Internal Server "
                    "Error\nSticky error detected\nRuntimeError: later\nValueError: last\n")
     crashed = serve.gsm8k_rows([{"layout": "pcp1", "exact_match_strict": 0.1,
