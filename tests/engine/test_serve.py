@@ -298,8 +298,9 @@ def gsm8k(server) -> dict:
 @pytest.mark.parametrize("layout", layouts("pcp1", "pcp2-split-all", "pcp2-dcp2-split-all",
                                            "tp2-pcp2-split-all", "tp2"))
 def test_gsm8k(request, layout, monkeypatch):
-    """gsm8k (Qwen2.5-Coder-0.5B, every prompt split) within 1.5 points of -pcp 1's; vLLM's
-    own -tp 2 (``tp2``, no plugin at work) the control of -tp 2 -pcp 2's server."""
+    """gsm8k (Qwen2.5-Coder-0.5B, every prompt split) within 1.5 points of -pcp 1's (on a
+    subset: no flips a sign test tells from chance); vLLM's own -tp 2 (``tp2``, no plugin at
+    work) the control of -tp 2 -pcp 2's server."""
     pytest.importorskip("lm_eval", reason="lm-eval missing: pip install -e .[eval]")
     # local-completions needs lm-eval's api extra; without it every server would start
     # only for lm-eval to refuse the model
@@ -318,4 +319,4 @@ def test_gsm8k(request, layout, monkeypatch):
                        subset=subset)
     assert not any("error" in r for r in runs), [r.get("error") for r in runs]
     row = serve.gsm8k_rows(runs)["rows"][-1]
-    assert row.get("within_tolerance", True), row
+    assert serve.gsm8k_goal_met(row, subset=bool(GSM8K_LIMIT)), row
