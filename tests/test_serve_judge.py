@@ -222,23 +222,23 @@ def test_vllms_completion_request_takes_the_soaks_greedy_fields():
 
 
 def test_a_gsm8k_subset_is_judged_by_its_flips_not_by_the_full_sets_tolerance():
-    """128 questions: 3 lost and 5 gained move the score 1.56 points, past the 1.5 of all
-    1,319 (one question is 0.78 points), but no sign test tells them from chance; 0 lost and 8
+    """128 questions: 3 lost and 5 gained move the score 1.56 points, past the 1.5 points of
+    all 1,319 (one question is 0.78 points), but no sign test tells them from chance; 0 lost and 8
     gained (p 0.0078) does, and fails on a subset."""
-    def row(right_to_wrong, wrong_to_right):
-        delta = round(100 * (wrong_to_right - right_to_wrong) / 128, 2)
-        paired = serve.paired_changes(list(range(right_to_wrong)),
-                                      list(range(100, 100 + wrong_to_right)), 128)
-        return {"config": "tp2-pcp2", "questions": 128, "delta_strict": delta,
-                "within_tolerance": abs(delta) <= serve.GSM8K_TOLERANCE_POINTS,
-                "paired": {"strict": paired, "flexible": paired}}
-
-    chance, real = row(3, 5), row(0, 8)
-    assert not chance["within_tolerance"] and chance["paired"]["strict"]["p_value"] == 0.7266
+    base = set(range(20))
+    right = {"pcp1": base, "pcp2-split-all": base - {0, 1, 2} | set(range(100, 105)),
+             "tp2-pcp2-split-all": base | set(range(100, 108))}
+    rows = serve.gsm8k_rows([{
+        "layout": n, "exact_match_strict": len(r) / 128, "exact_match_flexible": len(r) / 128,
+        "correct": {"strict": sorted(r), "flexible": sorted(r)},
+        "lm_eval_results": {"sample_len": 128}} for n, r in right.items()])["rows"]
+    one_gpu, chance, real = rows
+    assert chance["delta_strict"] > 1.5 and not chance["within_tolerance"]
+    assert chance["paired"]["strict"]["p_value"] == 0.7266
     assert serve.gsm8k_goal_met(chance, subset=True)
     assert not serve.gsm8k_goal_met(chance, subset=False)
     assert real["paired"]["strict"]["p_value"] == 0.0078
     assert not serve.gsm8k_goal_met(real, subset=True)
-    assert serve.gsm8k_goal_met({"config": "pcp1", "questions": 128}, subset=True)
+    assert serve.gsm8k_goal_met(one_gpu, subset=True)
     unpaired = {k: v for k, v in chance.items() if k != "paired"}
     assert not serve.gsm8k_goal_met(unpaired, subset=True)  # no answers logged: no verdict
